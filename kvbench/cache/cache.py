@@ -1,0 +1,35 @@
+"""The kvbench cache: a transformers ``Cache`` whose layers are a method's :class:`KVLayer`s."""
+
+from __future__ import annotations
+
+import contextvars
+
+from transformers.cache_utils import Cache
+
+from kvbench.cache.layer import KVLayer
+
+# The layer that was updated last. A transformers attention module calls ``cache.update`` and then
+# its attention function, one layer at a time, so the attention function finds its storage here
+# without the model having to pass the cache along.
+_ACTIVE_LAYER: contextvars.ContextVar[KVLayer | None] = contextvars.ContextVar("kvbench_layer", default=None)
+
+
+def active_layer() -> KVLayer | None:
+    return _ACTIVE_LAYER.get()
+
+
+class KVBenchCache(Cache):
+    """A cache made of one :class:`KVLayer` per transformer layer."""
+
+    def __init__(self, layers: list[KVLayer]):
+        super().__init__(layers=layers)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        out = layer.update(key_states, value_states, *args, **kwargs)
+        _ACTIVE_LAYER.set(layer)
+        return out
+
+    def release(self) -> None:
+        """Drop the active-layer pointer so a finished cache can be garbage-collected."""
+        _ACTIVE_LAYER.set(None)

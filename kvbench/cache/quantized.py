@@ -1,0 +1,78 @@
+"""Growable packed storage of quantized ``[B, H_kv, T, D]`` tensors.
+
+Layout (what is held, per block of tokens appended):
+
+- ``codes``: ``uint8 [B, H_kv, T, packed_length(D, L)]``: each token's D codes packed along the
+  channel axis (:mod:`kvbench.quant.packing`), whatever the quantization axis, so that blocks
+  concatenate along tokens.
+- ``scale``, ``zero``: ``param_dtype`` (fp16 by default);
+  ``[B, H_kv, T, D // G]`` for ``axis="token"`` (per-token statistics over groups of G channels),
+  ``[B, H_kv, T // G, D]`` for ``axis="channel"`` (per-channel statistics over groups of G tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvbench.quant.affine import dequantize_grouped, quantize_grouped
+from kvbench.quant.packing import pack, unpack
+
+
+class QuantizedTokens:
+    def __init__(
+        self,
+        levels: int,
+        axis: str,
+        group_size: int | None,
+        zero_point: str = "minmax",
+        param_dtype: torch.dtype = torch.float16,
+    ):
+        if axis not in ("token", "channel"):
+            raise ValueError(f"axis must be 'token' or 'channel', got {axis!r}")
+        self.levels, self.axis, self.group_size = levels, axis, group_size
+        self.zero_point, self.param_dtype = zero_point, param_dtype
+        self.codes: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.zero: torch.Tensor | None = None
+        self.num_tokens = 0
+        self.head_dim = 0
+
+    def append(self, x: torch.Tensor) -> None:
+        """Quantize and store ``x [B, H_kv, t, D]``. For ``axis="channel"`` t must be a multiple of G."""
+        if x.shape[-2] == 0:
+            return
+        codes, scale, zero = quantize_grouped(
+            x, self.levels, self.axis, self.group_size, zero_point=self.zero_point, param_dtype=self.param_dtype
+        )
+        packed = pack(codes, self.levels)
+        self.head_dim = x.shape[-1]
+        if self.codes is None:
+            self.codes, self.scale, self.zero = packed, scale, zero
+        else:
+            self.codes = torch.cat([self.codes, packed], dim=-2)
+            self.scale = torch.cat([self.scale, scale], dim=-2)
+            self.zero = torch.cat([self.zero, zero], dim=-2)
+        self.num_tokens += x.shape[-2]
+
+    def dequantize(self) -> torch.Tensor:
+        """``float32 [B, H_kv, T, D]``; an empty store has no shape to give and raises."""
+        if self.codes is None:
+            raise RuntimeError("empty QuantizedTokens")
+        codes = unpack(self.codes, self.levels, self.head_dim)
+        return dequantize_grouped(codes, self.scale, self.zero, self.axis, self.group_size)
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        if self.codes is None:
+            return {}
+        return {"codes": [self.codes], "scales": [self.scale], "zeros": [self.zero]}
+
+    def quantized_values(self) -> int:
+        return 0 if self.codes is None else self.codes.shape[0] * self.codes.shape[1] * self.num_tokens * self.head_dim
+
+    def nominal_code_bits(self) -> float:
+        return self.quantized_values() * math.log2(self.levels)

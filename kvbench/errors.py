@@ -1,0 +1,16 @@
+"""User-facing errors.
+
+A :class:`ConfigError` is a mistake in what the user asked for (a bad key, an unknown name, a
+missing file). The command-line entry prints its message as one line and exits with status 2,
+without a traceback; everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A user error. The message names the key, the bad value and what is allowed."""
+
+    def __init__(self, key: str, value: object, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value!r}: {allowed}")

@@ -1,0 +1,99 @@
+"""What every method is: a validated config, and a factory of per-layer cache storage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvbench.cache import KVBenchCache, KVLayer
+from kvbench.config import DTYPES, build_config, check_choice, require
+from kvbench.errors import ConfigError
+from kvbench.quant.affine import levels_for_bits
+from kvbench.registry import Registry
+
+METHODS: Registry[type[Method]] = Registry("method")
+register_method = METHODS.register
+
+
+@dataclass
+class ModelShape:
+    """What a method needs to know about the model's attention."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_context: int | None = None
+
+
+@dataclass
+class MethodConfig:
+    """Fields every method has. ``bits`` is the run's top-level knob; ``None`` means the method's
+    default. ``fp_dtype`` is the dtype of whatever a method keeps in full precision (FP16 as in the
+    papers; ``auto`` keeps the model's own dtype)."""
+
+    name: str = ""
+    bits: float | None = None
+    fp_dtype: str = "float16"
+
+    default_bits: ClassVar[float | None] = None
+
+    def __post_init__(self):
+        check_choice("method.fp_dtype", self.fp_dtype, (*DTYPES, "auto"))
+        if self.bits is None:
+            self.bits = self.default_bits
+        if self.bits is not None:
+            require(isinstance(self.bits, (int, float)), "bits", self.bits, "a number: log2 of a level count")
+            self.bits = float(self.bits)
+
+    def levels(self, bits: float | None = None, key: str = "bits") -> int:
+        return levels_for_bits(self.bits if bits is None else bits, key=key)
+
+    def check_model(self, shape: ModelShape) -> None:
+        """Checks that need the model (group sizes against head_dim, ...). Raise ConfigError."""
+
+    def torch_fp_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.fp_dtype == "auto" else getattr(torch, self.fp_dtype)
+
+
+def check_group(key: str, group_size: int | None, dim: int, what: str) -> None:
+    if group_size is None:
+        return
+    require(
+        isinstance(group_size, int) and group_size > 0 and dim % group_size == 0,
+        key,
+        group_size,
+        f"must divide {what}={dim} (divisors: {', '.join(str(d) for d in range(1, dim + 1) if dim % d == 0)})",
+    )
+
+
+class Method:
+    """A KV-cache method. Subclasses set ``Config`` and implement :meth:`make_layer`."""
+
+    Config: ClassVar[type[MethodConfig]] = MethodConfig
+    registered_name: ClassVar[str]
+
+    def __init__(self, config: MethodConfig):
+        self.config = config
+
+    def make_layer(self, layer_idx: int, shape: ModelShape, model_dtype: torch.dtype) -> KVLayer:
+        raise NotImplementedError
+
+    def new_cache(self, shape: ModelShape, model_dtype: torch.dtype) -> KVBenchCache:
+        return KVBenchCache([self.make_layer(i, shape, model_dtype) for i in range(shape.num_layers)])
+
+    def label(self) -> str:
+        bits = self.config.bits
+        return self.registered_name if bits is None else f"{self.registered_name}-{bits:g}b"
+
+
+def build_method(node: dict[str, Any] | None) -> Method:
+    """Method object from a ``method`` config node (``None``: the FP16 baseline)."""
+    node = dict(node or {"name": "fp16"})
+    name = node.get("name")
+    if not name:
+        raise ConfigError("method.name", name, f"registered methods are {', '.join(METHODS.names())}")
+    cls = METHODS.get(name)
+    return cls(build_config(cls.Config, node, "method"))

@@ -1,0 +1,66 @@
+"""Memory figures come from the tensors held, and match the analytic formulas."""
+
+import math
+
+import pytest
+import torch
+
+from kvbench.cache import memory_report
+from kvbench.methods import ModelShape, build_method
+
+SHAPE = ModelShape(num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64)
+
+
+def filled_cache(node, tokens, decode=0):
+    method = build_method(node)
+    method.config.check_model(SHAPE)
+    cache = method.new_cache(SHAPE, torch.float32)
+    k, v = torch.randn(2, 1, 3, tokens + decode, 64).unbind(0)
+    for layer_idx in range(SHAPE.num_layers):
+        cache.update(k[:, :, :tokens], v[:, :, :tokens], layer_idx)
+        for t in range(tokens, tokens + decode):
+            cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], layer_idx)
+    return memory_report(cache.layers)
+
+
+def test_kivi2_effective_bits_match_formula():
+    # KIVI-2, G=32, R=128, T=4096 (a multiple of R): every key is quantized, the newest R values
+    # stay in FP16. Per head and layer:
+    #   keys   4096*64 codes at 2 bits + (4096/32)*64 (scale, zero) pairs in fp16
+    #   values 3968*64 codes at 2 bits + 3968*(64/32) pairs in fp16 + 128*64 fp16 residual
+    T, R, G, D = 4096, 128, 32, 64
+    bits_per_head = T * D * 2 + (T // G) * D * 32 + (T - R) * D * 2 + (T - R) * (D // G) * 32 + R * D * 16
+    want = bits_per_head / (2 * T * D)
+    report = filled_cache({"name": "kivi", "bits": 2}, T)
+    assert report.effective_bits == pytest.approx(want, rel=1e-12)
+    assert want == pytest.approx(3.203125)
+    assert report.code_bits == 2.0
+    assert report.nominal_code_bits == 2.0
+    assert report.n_values == 2 * 2 * 3 * T * D
+    assert report.bytes_by_component["residual"] == 2 * 3 * R * D * 2
+    assert report.compression == pytest.approx(16 / want)
+
+
+def test_fractional_bits_are_packed_base_L():
+    # 5 levels: three codes per byte -> 8/3 code bits; per-token groups of 32 add 1 bit of params.
+    report = filled_cache({"name": "uniform", "bits": 2.322}, 96)
+    assert report.code_bits == pytest.approx(8 * math.ceil(64 / 3) / 64)
+    assert report.nominal_code_bits == pytest.approx(math.log2(5))
+    assert report.effective_bits == pytest.approx(report.code_bits + 1.0)
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"name": "uniform", "bits": 2},
+        {"name": "uniform", "bits": 1.585, "key_axis": "channel"},
+        {"name": "kivi", "bits": 2},
+        {"name": "kivi", "bits": 1, "zero_point": "specache"},
+    ],
+)
+def test_quantizing_methods_hold_less_than_fp16(node):
+    report = filled_cache(node, 600, decode=5)
+    fp16 = filled_cache({"name": "fp16"}, 600, decode=5)
+    assert fp16.effective_bits == 16.0 and fp16.total_bytes == fp16.fp16_bytes
+    assert report.total_bytes < 0.35 * fp16.total_bytes
+    assert report.tokens == 605
