@@ -36,7 +36,9 @@ def build_config(cls: type[C], node: Mapping[str, Any] | None, prefix: str) -> C
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"{prefix}.{unknown[0]}", data[unknown[0]], f"unknown key; allowed: {', '.join(sorted(names))}")
+        raise ConfigError(
+            f"{prefix}.{unknown[0]}", data[unknown[0]], f"unknown key; allowed: {', '.join(sorted(names))}"
+        )
     return cls(**data)
 
 

@@ -100,7 +100,6 @@ class ModelRunner:
         for s in stop_strings:
             text = text.split(s)[0]
         memory = memory_report(cache.layers)
-        cache.release()
         return Generation(text, tokens, input_ids.shape[1], stopped, memory, prefill_s, decode_s)
 
     @torch.no_grad()
@@ -121,5 +120,4 @@ class ModelRunner:
             nll.extend((-logp.gather(-1, piece[0, :, None].to(logp.device))[:, 0]).tolist())
             logits = step_logits[:, -1:]
         memory = memory_report(cache.layers)
-        cache.release()
         return Scored(nll, memory, time.perf_counter() - t0)

@@ -31,7 +31,9 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         if name not in self._items:
-            raise ConfigError(f"{self.kind}.name", name, f"registered {self.kind}s are {', '.join(self.names())}")
+            raise ConfigError(
+                f"{self.kind}.name", name, f"registered {self.kind}s are {', '.join(self.names())}"
+            )
         return self._items[name]
 
     def names(self) -> list[str]:

@@ -90,7 +90,9 @@ def _mean(values):
 def memory_summary(rows: list[dict]) -> dict[str, Any]:
     """Means over samples of the per-sample accounting (each row's cache at its end)."""
     mems = [r["memory"] for r in rows if r.get("memory")]
-    summary = {k: _mean([m.get(k) for m in mems]) for k in ("effective_bits", "code_bits", "nominal_code_bits")}
+    summary = {
+        k: _mean([m.get(k) for m in mems]) for k in ("effective_bits", "code_bits", "nominal_code_bits")
+    }
     summary["compression"] = _mean([m.get("compression") for m in mems])
     summary["kv_bytes_mean"] = _mean([m.get("total_bytes") for m in mems])
     summary["fp16_bytes_mean"] = _mean([m.get("fp16_bytes") for m in mems])
@@ -104,7 +106,9 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
     from kvbench.models import ModelConfig, load_model, model_shape
 
     config = to_plain(cfg)
-    run_cfg = build_config(RunConfig, {k: config[k] for k in ("seed", "bits", "device", "output", "data") if k in config}, "")
+    run_cfg = build_config(
+        RunConfig, {k: config[k] for k in ("seed", "bits", "device", "output", "data") if k in config}, ""
+    )
     method = build_method(config.get("method"))
     model_cfg = build_config(ModelConfig, config["model"], "model")
     data_root = resolve_data_root(run_cfg.data.root)
@@ -113,7 +117,11 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
 
     rid = run_id(config)
     folder = RunFolder(
-        Path(run_cfg.output.root) / task.registered_name / model_cfg.name / method.label() / f"seed{run_cfg.seed}-{rid}"
+        Path(run_cfg.output.root)
+        / task.registered_name
+        / model_cfg.name
+        / method.label()
+        / f"seed{run_cfg.seed}-{rid}"
     )
     folder.write_config({**config, "run_id": rid})
     done = {r["sample_id"]: r for r in folder.rows()} if run_cfg.output.resume else {}
@@ -124,9 +132,11 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
     from kvbench.cache import ATTN_IMPLEMENTATION
     from kvbench.generate import ModelRunner
 
-    model, tokenizer = load_model(model_cfg, attn_implementation=ATTN_IMPLEMENTATION, device=run_cfg.torch_device())
+    model, tokenizer = load_model(
+        model_cfg, attn_implementation=ATTN_IMPLEMENTATION, device=run_cfg.torch_device()
+    )
     load_s = time.perf_counter() - t0
-    shape = model_shape(model)
+    shape = model_shape(model, model_cfg.max_context)
     method.config.check_model(shape)
     task.check_model(shape, tokenizer)
     runner = ModelRunner(model, tokenizer, method, shape)
@@ -206,6 +216,6 @@ def format_table(lines: list[dict[str, Any]]) -> str:
 
     cells = [[fmt(line.get(c)) for c in cols] for line in lines]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
-    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
-    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(out)

@@ -12,14 +12,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from kvbench.cache.cache import active_layer
+from kvbench.cache.cache import take_active_layer
 
 ATTN_IMPLEMENTATION = "kvbench"
 
 
 def kvbench_attention(module, query, key, value, attention_mask, **kwargs):
     """``query [B, H, q, D]``, ``key/value [B, H_kv, k, D]`` as returned by the cache update."""
-    layer = active_layer()
+    layer = take_active_layer()
     if layer is None or layer.layer_idx != getattr(module, "layer_idx", None):
         # Not a kvbench cache (e.g. a plain forward without cache): ordinary SDPA.
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

@@ -14,8 +14,12 @@ from kvbench.cache.layer import KVLayer
 _ACTIVE_LAYER: contextvars.ContextVar[KVLayer | None] = contextvars.ContextVar("kvbench_layer", default=None)
 
 
-def active_layer() -> KVLayer | None:
-    return _ACTIVE_LAYER.get()
+def take_active_layer() -> KVLayer | None:
+    """The layer just updated, once: the pointer is cleared so a later forward over another cache
+    (or none) never finds a stale layer."""
+    layer = _ACTIVE_LAYER.get()
+    _ACTIVE_LAYER.set(None)
+    return layer
 
 
 class KVBenchCache(Cache):
@@ -29,7 +33,3 @@ class KVBenchCache(Cache):
         out = layer.update(key_states, value_states, *args, **kwargs)
         _ACTIVE_LAYER.set(layer)
         return out
-
-    def release(self) -> None:
-        """Drop the active-layer pointer so a finished cache can be garbage-collected."""
-        _ACTIVE_LAYER.set(None)

@@ -44,7 +44,12 @@ class QuantizedTokens:
         if x.shape[-2] == 0:
             return
         codes, scale, zero = quantize_grouped(
-            x, self.levels, self.axis, self.group_size, zero_point=self.zero_point, param_dtype=self.param_dtype
+            x,
+            self.levels,
+            self.axis,
+            self.group_size,
+            zero_point=self.zero_point,
+            param_dtype=self.param_dtype,
         )
         packed = pack(codes, self.levels)
         self.head_dim = x.shape[-1]
@@ -72,7 +77,11 @@ class QuantizedTokens:
         return {"codes": [self.codes], "scales": [self.scale], "zeros": [self.zero]}
 
     def quantized_values(self) -> int:
-        return 0 if self.codes is None else self.codes.shape[0] * self.codes.shape[1] * self.num_tokens * self.head_dim
+        return (
+            0
+            if self.codes is None
+            else self.codes.shape[0] * self.codes.shape[1] * self.num_tokens * self.head_dim
+        )
 
     def nominal_code_bits(self) -> float:
         return self.quantized_values() * math.log2(self.levels)

@@ -10,22 +10,12 @@ import torch
 from kvbench.cache import KVBenchCache, KVLayer
 from kvbench.config import DTYPES, build_config, check_choice, require
 from kvbench.errors import ConfigError
+from kvbench.models import ModelShape
 from kvbench.quant.affine import levels_for_bits
 from kvbench.registry import Registry
 
 METHODS: Registry[type[Method]] = Registry("method")
 register_method = METHODS.register
-
-
-@dataclass
-class ModelShape:
-    """What a method needs to know about the model's attention."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_context: int | None = None
 
 
 @dataclass
@@ -65,7 +55,7 @@ def check_group(key: str, group_size: int | None, dim: int, what: str) -> None:
         isinstance(group_size, int) and group_size > 0 and dim % group_size == 0,
         key,
         group_size,
-        f"must divide {what}={dim} (divisors: {', '.join(str(d) for d in range(1, dim + 1) if dim % d == 0)})",
+        f"must divide {what}={dim} (divisors: {', '.join(str(d) for d in range(1, dim + 1) if not dim % d)})",
     )
 
 

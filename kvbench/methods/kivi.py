@@ -67,10 +67,11 @@ class KIVIConfig(MethodConfig):
             self.residual,
             f"must be a positive multiple of method.group_size={self.group_size}",
         )
-        self.key_bits = float(self.bits if self.key_bits is None else self.key_bits)
-        self.value_bits = float(self.bits if self.value_bits is None else self.value_bits)
-        self.levels(self.key_bits, key="method.key_bits")
-        self.levels(self.value_bits, key="method.value_bits")
+        for part in ("key_bits", "value_bits"):
+            own = getattr(self, part)
+            # an inherited width is reported under the key the user actually set
+            self.levels(self.bits if own is None else own, key="bits" if own is None else f"method.{part}")
+            setattr(self, part, float(self.bits if own is None else own))
 
     def check_model(self, shape):
         check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")

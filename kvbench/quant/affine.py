@@ -154,7 +154,7 @@ def _to_groups(x: torch.Tensor, axis: str, group_size: int | None) -> torch.Tens
 
 
 def _from_groups(xg: torch.Tensor, axis: str) -> torch.Tensor:
-    """Inverse of :func:`_to_groups`: ``[..., T, D // G, G]`` or ``[..., T // G, D, G]`` to ``[..., T, D]``."""
+    """Inverse of :func:`_to_groups`, back to ``[..., T, D]``."""
     if axis == "token":
         return xg.flatten(-2)
     return xg.transpose(-1, -2).flatten(-3, -2)

@@ -84,8 +84,9 @@ def test_specache_zero_point_only_at_one_bit():
     [
         ({"residual": 100}, "method.residual"),
         ({"residual": 0}, "method.residual"),
-        ({"bits": 9}, "method.key_bits"),
-        ({"bits": 2.1}, "method.key_bits"),
+        ({"bits": 9}, "bits"),
+        ({"bits": 2.1}, "bits"),
+        ({"key_bits": 12}, "method.key_bits"),
         ({"value_bits": 0.5}, "method.value_bits"),
         ({"zero_point": "mean"}, "method.zero_point"),
         ({"colour": "red"}, "method.colour"),

