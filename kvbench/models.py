@@ -12,7 +12,6 @@ All user mistakes (bad dtype, missing folder, package not installed, Hub unreach
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
 import importlib.metadata
@@ -110,17 +109,6 @@ class ModelConfig:
         if self.path:
             return "path"
         return "gguf" if self.gguf_package else "hub"
-
-
-def model_config_from_dict(values: Mapping[str, Any]) -> ModelConfig:
-    """Build a :class:`ModelConfig` from a plain mapping (a Hydra node), naming any unknown key."""
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    for key in values:
-        if key not in known:
-            raise ConfigError(
-                f"model.{key}", values[key], f"unknown key; known keys are {', '.join(sorted(known))}"
-            )
-    return ModelConfig(**dict(values))
 
 
 @dataclass(frozen=True)
@@ -438,3 +426,17 @@ def _replace_dir(new: Path, target: Path) -> None:
         os.rename(target, stale)
         shutil.rmtree(stale, ignore_errors=True)
     os.rename(new, target)
+
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def model_node(name: str = "smollm2-135m") -> dict[str, Any]:
+    """The ``conf/model/<name>.yaml`` node as a dict (scripts and tests use the same node as the CLI)."""
+    import yaml
+
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
+        raise ConfigError("model", name, f"known model nodes: {known}")
+    return yaml.safe_load(path.read_text())

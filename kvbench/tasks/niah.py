@@ -1,0 +1,242 @@
+"""``niah``: Greg Kamradt's Needle-in-a-Haystack, scored by key-phrase recall.
+
+The haystack is the Paul Graham essays (``<data_root>/niah/PaulGrahamEssays/*.txt``, sorted by file
+name, joined with blank lines, repeated when a context needs more tokens than they hold). For each
+(context length L, depth d) the document is built in tokens of the model's own tokenizer:
+
+1. Take the first ``L - buffer - len(needle)`` haystack tokens (as Kamradt does, the needle counts
+   inside the ``L - buffer`` budget; ``buffer`` leaves room for the chat template, the question and
+   the answer), and drop any trailing partial sentence so the document ends on a sentence end.
+2. Insert the needle at ``d%`` of that span, moved back to the nearest preceding sentence end (a
+   ``'.'`` token) so it never splits a sentence: d=0 puts it at the very beginning, d=100 at the very
+   end.
+3. Decode back to text and put it in the chat template: a short system instruction, then a user turn
+   holding the document followed by the question, with the generation prompt appended.
+
+Decoding is greedy. The score is the fraction of the needle's key phrases ("eat a sandwich",
+"Dolores Park", "sunny day") found in the answer, case-insensitively, in [0, 1]. There is no LLM
+judge, so the score is reproducible; it rewards an answer that names the facts, not one that is fluent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbench.config import require
+from kvbench.errors import ConfigError
+from kvbench.tasks.base import Task, TaskConfig, register_task
+
+NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
+QUESTION = "What is the best thing to do in San Francisco?"
+KEY_PHRASES = ("eat a sandwich", "Dolores Park", "sunny day")
+SYSTEM_PROMPT = (
+    "You answer questions about the document the user gives you. "
+    "Answer in one short sentence, using only what the document says."
+)
+HAYSTACK_DIR = "niah/PaulGrahamEssays"
+
+
+def needle_recall(answer: str, phrases: tuple[str, ...] = KEY_PHRASES) -> float:
+    """Fraction of ``phrases`` found in ``answer``, ignoring case and runs of whitespace."""
+
+    def norm(text: str) -> str:
+        return " ".join(text.lower().split())
+
+    answer = norm(answer)
+    return sum(norm(p) in answer for p in phrases) / len(phrases)
+
+
+def load_haystack(data_root: Path) -> str:
+    """The essays, sorted by file name and joined with blank lines (the files end without a newline,
+    and joining them bare would run one essay's last sentence into the next one's date)."""
+    folder = Path(data_root) / HAYSTACK_DIR
+    files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
+    if not files:
+        raise ConfigError(
+            "data.root",
+            str(data_root),
+            f"no haystack essays at {folder}/*.txt; `make assets` fetches the haystack",
+        )
+    return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+
+
+def period_ids(tokenizer) -> set[int]:
+    """Token ids that are a bare '.', the sentence end the needle may follow."""
+    return set(tokenizer.encode(".", add_special_tokens=False))
+
+
+def last_sentence_end(tokens: list[int], stop: int, periods: set[int]) -> int:
+    """Largest ``i <= stop`` such that ``tokens[:i]`` is empty or ends with a period token."""
+    i = stop
+    while i > 0 and tokens[i - 1] not in periods:
+        i -= 1
+    return i
+
+
+def insert_needle(haystack: list[int], needle: list[int], depth: float, periods: set[int]) -> list[int]:
+    """``haystack`` token ids with ``needle`` inserted at ``depth`` percent of its length, moved back
+    to the nearest preceding sentence end. Returns ``len(haystack) + len(needle)`` ids."""
+    at = last_sentence_end(haystack, int(len(haystack) * depth / 100), periods)
+    return haystack[:at] + needle + haystack[at:]
+
+
+def build_context(
+    haystack_ids: list[int], needle_ids: list[int], length: int, depth: float, periods
+) -> list[int]:
+    """The document of ``length`` tokens at most (needle included), ending on a sentence end."""
+    span = haystack_ids[: max(length - len(needle_ids), 0)]
+    span = span[: last_sentence_end(span, len(span), periods)]
+    return insert_needle(span, needle_ids, depth, periods)
+
+
+def chat_prompt(tokenizer, context: str, question: str = QUESTION) -> str:
+    """The chat-templated prompt text (special tokens written out), ending with the assistant turn."""
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": f"{context}\n\n{question}"},
+    ]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+@dataclass
+class NIAHConfig(TaskConfig):
+    """Context lengths are in tokens of the model's tokenizer and include the prompt template;
+    depths are percentages of the document."""
+
+    name: str = "niah"
+    version: int = 1
+    context_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 3072])
+    depths: list[float] = field(default_factory=lambda: [0, 50, 100])
+    buffer: int = 200
+    max_new_tokens: int = 32
+
+    def __post_init__(self):
+        super().__post_init__()
+        require(_int_at_least(self.buffer, 0), "task.buffer", self.buffer, "an int >= 0")
+        require(
+            _positive_int(self.max_new_tokens), "task.max_new_tokens", self.max_new_tokens, "a positive int"
+        )
+        lengths = _as_list(self.context_lengths)
+        require(
+            bool(lengths) and all(_positive_int(n) and n > self.buffer for n in lengths),
+            "task.context_lengths",
+            self.context_lengths,
+            f"a non-empty list of ints, each above task.buffer={self.buffer}",
+        )
+        require(len(set(lengths)) == len(lengths), "task.context_lengths", lengths, "no repeated lengths")
+        depths = _as_list(self.depths)
+        require(
+            bool(depths) and all(_number(d) and 0 <= d <= 100 for d in depths),
+            "task.depths",
+            self.depths,
+            "a non-empty list of percentages, each in 0..100",
+        )
+        require(len(set(depths)) == len(depths), "task.depths", depths, "no repeated depths")
+        self.context_lengths, self.depths = lengths, depths
+
+
+def _as_list(x: Any) -> list | None:
+    """A plain list from any sequence (an OmegaConf ListConfig included), else None."""
+    return list(x) if isinstance(x, Sequence) and not isinstance(x, (str, bytes)) else None
+
+
+def _int_at_least(x: Any, lowest: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lowest
+
+
+def _positive_int(x: Any) -> bool:
+    return _int_at_least(x, 1)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def sample_id(length: int, depth: float) -> str:
+    return f"L{length}_d{depth:g}"
+
+
+@register_task("niah")
+class NIAH(Task):
+    Config = NIAHConfig
+    primary_metric = "score"
+
+    def __init__(self, config: NIAHConfig, data_root: Path, seed: int = 0):
+        super().__init__(config, data_root, seed)
+        # (tokenizer, its haystack ids): tokenizing 640 KB of essays takes a second or two, so it is
+        # done once per tokenizer, not once per sample
+        self._haystack: tuple[Any, list[int]] | None = None
+
+    def samples(self) -> list[dict[str, Any]]:
+        load_haystack(self.data_root)  # fail before any model work when the data is missing
+        rows = [
+            {"id": sample_id(n, d), "context_length": n, "depth": d}
+            for n in self.config.context_lengths
+            for d in self.config.depths
+        ]
+        return rows[: self.config.limit] if self.config.limit else rows
+
+    def check_model(self, shape, tokenizer) -> None:
+        limit = getattr(shape, "max_context", None)
+        too_long = [n for n in self.config.context_lengths if limit and n > limit]
+        if too_long:
+            raise ConfigError(
+                "task.context_lengths",
+                too_long,
+                f"the model's context is {limit} tokens; use lengths <= {limit}",
+            )
+
+    def haystack_ids(self, tokenizer, n: int) -> list[int]:
+        """At least ``n`` haystack token ids: the essays tokenized once, repeated as text if short."""
+        if self._haystack is None or self._haystack[0] is not tokenizer or len(self._haystack[1]) < n:
+            essays = load_haystack(self.data_root)
+            text = essays
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            while len(ids) < n:
+                text = f"{text}\n\n{essays}"
+                ids = tokenizer.encode(text, add_special_tokens=False)
+            self._haystack = (tokenizer, ids)
+        return self._haystack[1]
+
+    def build_prompt(self, tokenizer, length: int, depth: float) -> str:
+        """The full chat prompt text for one (context length, depth)."""
+        budget = length - self.config.buffer
+        needle = tokenizer.encode(NEEDLE, add_special_tokens=False)
+        periods = period_ids(tokenizer)
+        context = build_context(self.haystack_ids(tokenizer, budget), needle, budget, depth, periods)
+        return chat_prompt(tokenizer, tokenizer.decode(context))
+
+    def run(self, sample: dict[str, Any], runner) -> dict[str, Any]:
+        prompt = self.build_prompt(runner.tokenizer, sample["context_length"], sample["depth"])
+        input_ids: torch.Tensor = runner.encode(prompt)  # the template's special tokens parse as such
+        gen = runner.generate(input_ids, self.config.max_new_tokens)
+        score = needle_recall(gen.text)
+        return {
+            "prompt_tokens": int(input_ids.shape[1]),
+            "prediction": gen.text,
+            "score": score,
+            "needle_recall": score,
+            "context_length": sample["context_length"],
+            "depth": sample["depth"],
+            "generated_tokens": gen.new_tokens,
+            "stopped": gen.stopped,
+            "memory": gen.memory,
+            "prefill_s": gen.prefill_s,
+            "decode_s": gen.decode_s,
+        }
+
+    def aggregate(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        """Mean score over all rows, plus the mean per context length as ``score_L{n}``."""
+        out = super().aggregate(rows)
+        by_length: dict[int, list[float]] = {}
+        for r in rows:
+            if r.get("score") is not None:
+                by_length.setdefault(int(r["context_length"]), []).append(r["score"])
+        for n, values in sorted(by_length.items()):
+            out[f"score_L{n}"] = sum(values) / len(values)
+        return out

@@ -1,0 +1,74 @@
+"""Run folders: results written atomically, resume skips finished samples, run ids are stable."""
+
+import json
+
+import pytest
+
+from kvbench import run as run_module
+from kvbench.models import model_node
+from kvbench.results import RunFolder, run_id
+from kvbench.tasks.niah import NIAH
+
+
+def tiny_config(root, data_root, method=None):
+    cfg = {
+        "model": model_node("smollm2-135m"),
+        "task": {"name": "niah", "context_lengths": [256, 320], "depths": [0, 100], "max_new_tokens": 3},
+        "seed": 0,
+        "bits": 2,
+        "device": "cpu",
+        "output": {"root": str(root), "resume": True},
+        "data": {"root": str(data_root)},
+    }
+    if method:
+        cfg["method"] = method
+    return cfg
+
+
+def test_killed_run_resumes_without_redoing_finished_samples(tmp_path, data_root, monkeypatch):
+    cfg = tiny_config(tmp_path, data_root, {"name": "kivi", "bits": 2, "group_size": 32, "residual": 64})
+    calls = []
+    original = NIAH.run
+
+    def dying_run(self, sample, runner):
+        calls.append(sample["id"])
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the job is killed while on its third sample
+        return original(self, sample, runner)
+
+    monkeypatch.setattr(NIAH, "run", dying_run)
+    with pytest.raises(KeyboardInterrupt):
+        run_module.execute(cfg, progress=False)
+    folders = list(tmp_path.glob("niah/smollm2-135m/kivi-2b/seed0-*"))
+    assert len(folders) == 1
+    assert len(RunFolder(folders[0]).rows()) == 2
+    assert not (folders[0] / "metrics.json").exists()
+
+    calls.clear()
+    monkeypatch.setattr(NIAH, "run", original)
+    monkeypatch.setattr(NIAH, "run", lambda self, s, r: (calls.append(s["id"]), original(self, s, r))[1])
+    metrics = run_module.execute(cfg, progress=False)
+    assert len(calls) == 2  # only the two unfinished samples ran
+    rows = RunFolder(folders[0]).rows()
+    assert sorted(r["sample_id"] for r in rows) == sorted(["L256_d0", "L256_d100", "L320_d0", "L320_d100"])
+    assert metrics["metrics"]["n"] == 4
+    assert metrics["timings"]["samples_resumed"] == 2
+    written = json.loads((folders[0] / "metrics.json").read_text())
+    assert written["run_id"] == metrics["run_id"]
+    assert 2.0 < written["memory"]["effective_bits"] < 16.0
+
+
+def test_truncated_last_line_is_dropped(tmp_path):
+    folder = RunFolder(tmp_path)
+    folder.append({"sample_id": "a", "score": 1.0})
+    with open(folder.samples_path, "a") as f:
+        f.write('{"sample_id": "b", "sco')  # killed mid-write
+    assert [r["sample_id"] for r in folder.rows()] == ["a"]
+    folder.append({"sample_id": "b", "score": 0.5})
+    assert [r["sample_id"] for r in folder.rows()] == ["a", "b"]
+
+
+def test_run_id_ignores_paths_but_not_knobs():
+    base = {"model": {"name": "m"}, "task": {"name": "niah"}, "bits": 2, "output": {"root": "a"}}
+    assert run_id(base) == run_id({**base, "output": {"root": "b"}, "data": {"root": "/x"}})
+    assert run_id(base) != run_id({**base, "bits": 3})
