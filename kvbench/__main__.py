@@ -18,6 +18,21 @@ from omegaconf import DictConfig
 from kvbench.errors import ConfigError
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CHECKED_GROUPS = ("model", "task", "method")
+
+
+def check_group_choices(argv: list[str]) -> None:
+    """Reject an unknown ``model=``/``task=``/``+method=`` choice with one line before Hydra
+    composes (Hydra's own message spans a dozen lines)."""
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if not sep or key not in CHECKED_GROUPS:
+            continue
+        folder = Path(CONF_DIR) / key
+        known = sorted(p.stem for p in folder.glob("*.yaml"))
+        for choice in value.split(","):
+            if choice not in known:
+                raise ConfigError(key, choice, f"known {key} nodes: {', '.join(known)}")
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
@@ -34,4 +49,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    try:
+        check_group_choices(sys.argv[1:])
+    except ConfigError as err:
+        print(f"kvbench: error: {err}", file=sys.stderr)
+        sys.exit(2)
     main()

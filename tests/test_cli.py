@@ -36,9 +36,33 @@ def test_user_errors_are_one_clear_line(args, expected, tmp_path):
     assert len(errors) == 1
 
 
-@pytest.mark.parametrize("args, expected", [(["+method=nope"], "kivi"), (["model=nope"], "smollm2-135m")])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["+method=nope"], "kvbench: error: method='nope': known method nodes: fp16, kivi, uniform"),
+        (["-m", "+method=kivi,nope"], "kvbench: error: method='nope': known method nodes:"),
+        (["model=nope"], "kvbench: error: model='nope': known model nodes: llama2-7b,"),
+        (["task=nope"], "kvbench: error: task='nope': known task nodes: niah, perplexity"),
+    ],
+)
 def test_unknown_config_names_list_the_options(args, expected, tmp_path):
     proc = run_cli(*args, f"output.root={tmp_path}")
-    assert proc.returncode != 0
-    assert "Could not find" in proc.stderr and expected in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == expected or proc.stderr.startswith(expected)
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_multirun_sweep_writes_one_folder_per_point(tmp_path):
+    proc = run_cli(
+        "-m",
+        "+method=uniform,kivi",
+        "bits=2,4",
+        "task.context_lengths=[300]",
+        "task.depths=[50]",
+        "task.max_new_tokens=2",
+        f"output.root={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    folders = sorted(p.parent.parent.name for p in tmp_path.glob("niah/smollm2-135m/*/*/metrics.json"))
+    assert folders == ["kivi-2b", "kivi-4b", "uniform-2b", "uniform-4b"]
+    assert proc.stdout.count("eff_bits") == 4  # each job prints its summary table
