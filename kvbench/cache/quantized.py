@@ -1,5 +1,8 @@
 """Growable packed storage of quantized ``[B, H_kv, T, D]`` tensors.
 
+Both backends hold the same bytes: ``torch`` runs :mod:`kvbench.quant` (the reference, and the
+default on CPU), ``triton`` the kernels of :mod:`kvbench.kernels.quant_pack`, bit-identical to it.
+
 Layout (what is held, per block of tokens appended):
 
 - ``codes``: ``uint8 [B, H_kv, T, packed_length(D, L)]``: each token's D codes packed along the
@@ -28,11 +31,13 @@ class QuantizedTokens:
         group_size: int | None,
         zero_point: str = "minmax",
         param_dtype: torch.dtype = torch.float16,
+        backend: str = "torch",
     ):
         if axis not in ("token", "channel"):
             raise ValueError(f"axis must be 'token' or 'channel', got {axis!r}")
         self.levels, self.axis, self.group_size = levels, axis, group_size
         self.zero_point, self.param_dtype = zero_point, param_dtype
+        self.backend = backend
         self.codes: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
         self.zero: torch.Tensor | None = None
@@ -65,6 +70,12 @@ class QuantizedTokens:
         """``float32 [B, H_kv, T, D]``; an empty store has no shape to give and raises."""
         if self.codes is None:
             raise RuntimeError("empty QuantizedTokens")
+        if self.backend == "triton":
+            from kvbench.kernels.quant_pack import unpack_dequantize
+
+            return unpack_dequantize(
+                self.codes, self.scale, self.zero, self.levels, self.axis, self.group_size, self.head_dim
+            )
         codes = unpack(self.codes, self.levels, self.head_dim)
         return dequantize_grouped(codes, self.scale, self.zero, self.axis, self.group_size)
 

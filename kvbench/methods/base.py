@@ -10,10 +10,12 @@ import torch
 from kvbench.cache import KVBenchCache, KVLayer
 from kvbench.config import DTYPES, build_config, check_choice, require
 from kvbench.errors import ConfigError
+from kvbench.kernels.runtime import require_triton
 from kvbench.models import ModelShape
 from kvbench.quant.affine import levels_for_bits
 from kvbench.registry import Registry
 
+BACKENDS = ("torch", "triton")
 METHODS: Registry[type[Method]] = Registry("method")
 register_method = METHODS.register
 
@@ -22,16 +24,22 @@ register_method = METHODS.register
 class MethodConfig:
     """Fields every method has. ``bits`` is the run's top-level knob; ``None`` means the method's
     default. ``fp_dtype`` is the dtype of whatever a method keeps in full precision (FP16 as in the
-    papers; ``auto`` keeps the model's own dtype)."""
+    papers; ``auto`` keeps the model's own dtype). ``backend`` chooses who quantizes, packs and
+    reads the stored codes: ``torch`` (the reference, default) or ``triton`` (kernels that hold the
+    same bytes; needs CUDA or the Triton CPU interpreter)."""
 
     name: str = ""
     bits: float | None = None
     fp_dtype: str = "float16"
+    backend: str = "torch"
 
     default_bits: ClassVar[float | None] = None
 
     def __post_init__(self):
         check_choice("method.fp_dtype", self.fp_dtype, (*DTYPES, "auto"))
+        check_choice("method.backend", self.backend, BACKENDS)
+        if self.backend == "triton":
+            require_triton("method.backend")
         if self.bits is None:
             self.bits = self.default_bits
         if self.bits is not None:

@@ -82,8 +82,12 @@ class KIVILayer(KVLayer):
         super().__init__(layer_idx)
         self.group, self.residual = cfg.group_size, cfg.residual
         k_levels, v_levels = cfg.levels(cfg.key_bits), cfg.levels(cfg.value_bits)
-        self.kq = QuantizedTokens(k_levels, "channel", self.group, zero_point_for(cfg.zero_point, k_levels))
-        self.vq = QuantizedTokens(v_levels, "token", self.group, zero_point_for(cfg.zero_point, v_levels))
+        self.kq = QuantizedTokens(
+            k_levels, "channel", self.group, zero_point_for(cfg.zero_point, k_levels), backend=cfg.backend
+        )
+        self.vq = QuantizedTokens(
+            v_levels, "token", self.group, zero_point_for(cfg.zero_point, v_levels), backend=cfg.backend
+        )
         self.k_res = FullPrecisionTokens(fp_dtype)
         self.v_res = FullPrecisionTokens(fp_dtype)
 

@@ -67,8 +67,9 @@ class UniformConfig(MethodConfig):
 class AxisStore:
     """One of K or V: quantized tokens, plus a pending full-precision tail for per-channel groups."""
 
-    def __init__(self, levels, axis, group_size, zero_point, fp_dtype):
-        self.q = QuantizedTokens(levels, axis, group_size, zero_point_for(zero_point, levels))
+    def __init__(self, levels, axis, group_size, zero_point, fp_dtype, backend):
+        zero_point = zero_point_for(zero_point, levels)
+        self.q = QuantizedTokens(levels, axis, group_size, zero_point, backend=backend)
         self.pending = FullPrecisionTokens(fp_dtype)
         self.axis, self.group_size = axis, group_size
 
@@ -89,8 +90,8 @@ class UniformLayer(KVLayer):
     def __init__(self, layer_idx, cfg: UniformConfig, fp_dtype):
         super().__init__(layer_idx)
         levels = cfg.levels()
-        self.k = AxisStore(levels, cfg.key_axis, cfg.group_size, cfg.zero_point, fp_dtype)
-        self.v = AxisStore(levels, cfg.value_axis, cfg.group_size, cfg.zero_point, fp_dtype)
+        self.k = AxisStore(levels, cfg.key_axis, cfg.group_size, cfg.zero_point, fp_dtype, cfg.backend)
+        self.v = AxisStore(levels, cfg.value_axis, cfg.group_size, cfg.zero_point, fp_dtype, cfg.backend)
 
     def append(self, keys, values):
         self.k.append(keys)

@@ -1,0 +1,167 @@
+"""End-to-end decode throughput and the largest batch that fits a memory budget: fp16 against
+kivi-2 and kivi-1 (the max-batch tables of KIVI and SpeCache).
+
+For each method and context length, a batch of identical prompts is prefilled into the method's
+cache and decoded greedily for ``--new-tokens`` steps; throughput is generated tokens per second
+over the decode phase. The largest batch is found by doubling then bisecting, a batch "fits" when
+the run completes and its peak memory stays under ``--budget-gb``: on CUDA the peak is measured
+(``torch.cuda.max_memory_allocated``); on CPU it is the model's parameter bytes plus the KV bytes the
+cache holds (from its accounting) plus one layer's full-precision prefill states, which is an
+estimate and is labelled as such in the output.
+
+    python scripts/bench_throughput.py --model smollm2-135m --contexts 2048 8192 --budget-gb 40
+    python scripts/bench_throughput.py --contexts 256 --batches 1 2 --new-tokens 4   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvbench.cache import ATTN_IMPLEMENTATION, memory_report
+from kvbench.config import build_config
+from kvbench.methods import build_method
+from kvbench.models import ModelConfig, load_model, model_node, model_shape
+
+METHODS = {
+    "fp16": {"name": "fp16"},
+    "kivi-2": {"name": "kivi", "bits": 2},
+    "kivi-1": {"name": "kivi", "bits": 1, "zero_point": "specache"},
+}
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@torch.no_grad()
+def decode_run(model, shape, node, batch: int, context: int, new_tokens: int, device: str, backend: str):
+    """Prefill ``batch`` prompts of ``context`` tokens and decode ``new_tokens``; returns
+    (tokens/s, peak bytes, measured?, kv bytes)."""
+    node = dict(node)
+    if node["name"] != "fp16" and backend != "torch":
+        node["backend"] = backend
+    method = build_method(node)
+    method.config.check_model(shape)
+    cache = method.new_cache(shape, model.dtype)
+    ids = torch.randint(100, 20000, (1, context), device=device).expand(batch, context).contiguous()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1:]
+    token = logits.argmax(-1)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    kv = memory_report(cache.layers).total_bytes
+    if device == "cuda":
+        peak, measured = torch.cuda.max_memory_allocated(), True
+    else:
+        one_layer_states = 2 * batch * shape.num_kv_heads * context * shape.head_dim * model.dtype.itemsize
+        peak, measured = param_bytes(model) + kv + one_layer_states, False
+    return batch * new_tokens / seconds, peak, measured, kv
+
+
+def fits(model, shape, node, batch, args, device) -> tuple[bool, tuple | None]:
+    try:
+        result = decode_run(model, shape, node, batch, args.context_for_max, 2, device, args.backend)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return False, None
+    return result[1] <= args.budget_gb * 2**30, result
+
+
+def max_batch(model, shape, node, args, device) -> int:
+    lo, hi = 0, 1
+    while hi <= args.max_batch_cap and fits(model, shape, node, hi, args, device)[0]:
+        lo, hi = hi, hi * 2
+    hi = min(hi, args.max_batch_cap + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(model, shape, node, mid, args, device)[0] else (lo, mid)
+    return lo
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="a conf/model node")
+    parser.add_argument("--model-path", default=None, help="a local HF folder (overrides the node's source)")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--budget-gb", type=float, default=None, help="find the largest batch under this")
+    parser.add_argument("--context-for-max", type=int, default=None)
+    parser.add_argument("--max-batch-cap", type=int, default=1024)
+    parser.add_argument("--backend", default="torch", choices=["torch", "triton"])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--out", type=Path, default=Path("results/bench_throughput.csv"))
+    args = parser.parse_args(argv)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    node = model_node(args.model)
+    if args.model_path:
+        node["path"] = args.model_path
+    if args.dtype:
+        node["dtype"] = args.dtype
+    model, _ = load_model(build_config(ModelConfig, node, "model"), ATTN_IMPLEMENTATION, device=device)
+    shape = model_shape(model, node.get("max_context"))
+    rows = []
+    for label in args.methods:
+        for context in args.contexts:
+            for batch in args.batches:
+                try:
+                    tps, peak, measured, kv = decode_run(
+                        model, shape, METHODS[label], batch, context, args.new_tokens, device, args.backend
+                    )
+                except torch.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    tps, peak, measured, kv = float("nan"), float("nan"), True, float("nan")
+                rows.append(
+                    {
+                        "method": label,
+                        "context": context,
+                        "batch": batch,
+                        "tokens_per_s": round(tps, 2),
+                        "kv_bytes": kv,
+                        "peak_bytes": peak,
+                        "peak_measured": measured,
+                    }
+                )
+                print(rows[-1], file=sys.stderr, flush=True)
+        if args.budget_gb:
+            args.context_for_max = args.context_for_max or max(args.contexts)
+            best = max_batch(model, shape, METHODS[label], args, device)
+            rows.append({"method": label, "context": args.context_for_max, "max_batch": best})
+            print(rows[-1], file=sys.stderr, flush=True)
+
+    base = {(r["context"], r["batch"]): r["tokens_per_s"] for r in rows if r["method"] == "fp16" and "batch" in r}
+    for r in rows:
+        if "batch" in r and (r["context"], r["batch"]) in base:
+            r["speedup_vs_fp16"] = round(r["tokens_per_s"] / base[(r["context"], r["batch"])], 3)
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r.get(c, "")) for c in cols))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=cols)
+        writer.writeheader()
+        writer.writerows(rows)
+    name = torch.cuda.get_device_name() if device == "cuda" else f"cpu x{torch.get_num_threads()}"
+    print(f"device: {name}; model {args.model}; written {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
