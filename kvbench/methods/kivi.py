@@ -39,6 +39,7 @@ from kvbench.cache.quantized import QuantizedTokens
 from kvbench.config import check_choice, require
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
 from kvbench.methods.uniform import ZERO_POINTS, zero_point_for
+from kvbench.quant.attention_ref import PackedKV
 
 
 @dataclass
@@ -78,8 +79,14 @@ class KIVIConfig(MethodConfig):
 
 
 class KIVILayer(KVLayer):
+    """With ``backend=triton``, decode steps (one or two new tokens) skip the reconstruction in
+    :meth:`update` and attend through the fused kernel, which reads the packed codes directly; the
+    read rule is unchanged: stored tokens as they were before this forward, new tokens exact."""
+
     def __init__(self, layer_idx, cfg: KIVIConfig, fp_dtype):
         super().__init__(layer_idx)
+        self.backend = cfg.backend
+        self._before: tuple | None = None  # the stores before this forward's append (fused path)
         self.group, self.residual = cfg.group_size, cfg.residual
         k_levels, v_levels = cfg.levels(cfg.key_bits), cfg.levels(cfg.value_bits)
         self.kq = QuantizedTokens(
@@ -99,6 +106,46 @@ class KIVILayer(KVLayer):
         self.v_res.append(values)
         if len(self.v_res) > self.residual:
             self.vq.append(self.v_res.pop_front(len(self.v_res) - self.residual))
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.backend != "triton" or key_states.shape[-2] > 2 or not self.num_tokens:
+            self._before = None
+            return super().update(key_states, value_states, *args, **kwargs)
+        # Stores are replaced, never modified in place, on append: these references stay valid.
+        self._before = (
+            PackedKV.from_store(self.kq),
+            self.k_res.data,
+            PackedKV.from_store(self.vq),
+            self.v_res.data,
+        )
+        self.append(key_states, value_states)
+        self.num_tokens += key_states.shape[-2]
+        return key_states, value_states
+
+    def attend(self, module, query, keys, values, attention_mask, **kwargs):
+        if self._before is None:
+            return super().attend(module, query, keys, values, attention_mask, **kwargs)
+        kq, k_res, vq, v_res = self._before
+        self._before = None
+        if attention_mask is not None:
+            # padding or an explicit mask: the kernel only knows the causal rule of the newest
+            # tokens, so reconstruct and take the SDPA path
+            d = keys.shape[-1]
+            keys = cat_tokens(kq.dequantize(d) if kq else None, k_res, keys).to(query.dtype)
+            values = cat_tokens(vq.dequantize(d) if vq else None, v_res, values).to(query.dtype)
+            return super().attend(module, query, keys, values, attention_mask, **kwargs)
+        from kvbench.kernels.decode_attention import fused_decode_attention
+
+        scaling = kwargs.get("scaling") or module.scaling
+        out = fused_decode_attention(
+            query,
+            kq,
+            vq,
+            scaling,
+            key_residual=cat_tokens(k_res, keys),
+            value_residual=cat_tokens(v_res, values),
+        )
+        return out.transpose(1, 2).contiguous(), None
 
     def read(self):
         k = cat_tokens(self.kq.dequantize() if len(self.kq) else None, self.k_res.data)

@@ -42,3 +42,46 @@ def test_triton_backend_needs_cuda_or_interpreter(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match=r"method.backend='triton': needs a CUDA device"):
         build_method({"name": "kivi", "bits": 2, "backend": "triton"})
+
+
+class FakeAttention(torch.nn.Module):
+    """What transformers' SDPA path reads from an attention module."""
+
+    num_key_value_groups = 3
+    scaling = 64**-0.5
+    is_causal = True
+    training = False
+
+
+@pytest.mark.parametrize("bits", [2, 1.585])
+def test_fused_decode_attention_in_kivi_matches_torch_path(bits):
+    node = {"name": "kivi", "bits": bits, "residual": 32, "fp_dtype": "float16"}
+    torch_layer = build_method(node).make_layer(0, SHAPE, torch.float32)
+    triton_layer = build_method({**node, "backend": "triton"}).make_layer(0, SHAPE, torch.float32)
+    k = torch.randn(1, 2, 150, 64) * torch.rand(64) * 3
+    v = torch.randn(1, 2, 150, 64)
+    for layer in (torch_layer, triton_layer):
+        layer.update(k[:, :, :100], v[:, :, :100])
+    module = FakeAttention()
+    for t in range(100, 150):  # crosses a key flush at 128 tokens
+        q = torch.randn(1, 6, 1, 64)
+        outs = []
+        for layer in (torch_layer, triton_layer):
+            keys, values = layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+            outs.append(layer.attend(module, q, keys, values, None, scaling=module.scaling)[0])
+        assert outs[0].shape == outs[1].shape == (1, 1, 6, 64)
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
+    assert len(triton_layer.kq) == 128  # the flush really happened on the fused path
+
+
+def test_kivi_triton_generation_matches_torch(default_model):
+    from kvbench.generate import ModelRunner
+
+    model, tokenizer, shape = default_model
+    ids = tokenizer("The history of the city of Paris begins in the third century BC when", return_tensors="pt")
+    ids = torch.cat([ids.input_ids] * 4, dim=1)  # ~60 tokens: past the G=R=32 flush
+    node = {"name": "kivi", "bits": 2, "residual": 32}
+    want = ModelRunner(model, tokenizer, build_method(node), shape).generate(ids, 6)
+    got = ModelRunner(model, tokenizer, build_method({**node, "backend": "triton"}), shape).generate(ids, 6)
+    assert got.token_ids == want.token_ids
+    assert got.memory.to_dict() == want.memory.to_dict()
