@@ -93,7 +93,8 @@ def max_batch(model, shape, node, args, device) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--model", default="smollm2-135m", help="a conf/model node")
     parser.add_argument("--model-path", default=None, help="a local HF folder (overrides the node's source)")
     parser.add_argument("--dtype", default=None)
@@ -145,7 +146,8 @@ def main(argv=None) -> int:
             rows.append({"method": label, "context": args.context_for_max, "max_batch": best})
             print(rows[-1], file=sys.stderr, flush=True)
 
-    base = {(r["context"], r["batch"]): r["tokens_per_s"] for r in rows if r["method"] == "fp16" and "batch" in r}
+    timed = [r for r in rows if "batch" in r]
+    base = {(r["context"], r["batch"]): r["tokens_per_s"] for r in timed if r["method"] == "fp16"}
     for r in rows:
         if "batch" in r and (r["context"], r["batch"]) in base:
             r["speedup_vs_fp16"] = round(r["tokens_per_s"] / base[(r["context"], r["batch"])], 3)
