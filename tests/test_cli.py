@@ -24,7 +24,7 @@ def run_cli(*args, env=None):
         (["+method=kivi", "bits=2", "method.residual=100"], "kvbench: error: method.residual=100: "),
         (["+method=uniform", "method.group_size=48"], "kvbench: error: method.group_size=48: must divide"),
         (["data.root=/nonexistent/kv"], "kvbench: error: data.root="),
-        (["+method=kivi", "method.name=nope"], "registered methods are fp16, kivi, uniform"),
+        (["+method=kivi", "method.name=nope"], "registered methods are fp16, intactkv, kivi,"),
     ],
 )
 def test_user_errors_are_one_clear_line(args, expected, tmp_path):
@@ -39,7 +39,7 @@ def test_user_errors_are_one_clear_line(args, expected, tmp_path):
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["+method=nope"], "kvbench: error: method='nope': known method nodes: fp16, kivi, uniform"),
+        (["+method=nope"], "kvbench: error: method='nope': known method nodes: fp16, intactkv, kivi,"),
         (["-m", "+method=kivi,nope"], "kvbench: error: method='nope': known method nodes:"),
         (["model=nope"], "kvbench: error: model='nope': known model nodes: llama2-7b,"),
         (["task=nope"], "kvbench: error: task='nope': known task nodes: niah, perplexity"),

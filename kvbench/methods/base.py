@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.cache import KVBenchCache, KVLayer
+from kvbench.cache.sink import SinkLayer
 from kvbench.config import DTYPES, build_config, check_choice, require
 from kvbench.errors import ConfigError
 from kvbench.kernels.runtime import require_triton
@@ -26,18 +27,27 @@ class MethodConfig:
     default. ``fp_dtype`` is the dtype of whatever a method keeps in full precision (FP16 as in the
     papers; ``auto`` keeps the model's own dtype). ``backend`` chooses who quantizes, packs and
     reads the stored codes: ``torch`` (the reference, default) or ``triton`` (kernels that hold the
-    same bytes; needs CUDA or the Triton CPU interpreter)."""
+    same bytes; needs CUDA or the Triton CPU interpreter). ``sink_tokens`` keeps the first k tokens
+    of every sequence lossless in ``fp_dtype`` in front of any method's storage (IntactKV; KVQuant's
+    attention sink)."""
 
     name: str = ""
     bits: float | None = None
     fp_dtype: str = "float16"
     backend: str = "torch"
+    sink_tokens: int = 0
 
     default_bits: ClassVar[float | None] = None
 
     def __post_init__(self):
         check_choice("method.fp_dtype", self.fp_dtype, (*DTYPES, "auto"))
         check_choice("method.backend", self.backend, BACKENDS)
+        require(
+            isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
+            "method.sink_tokens",
+            self.sink_tokens,
+            "a token count >= 0",
+        )
         if self.backend == "triton":
             require_triton("method.backend")
         if self.bits is None:
@@ -80,9 +90,16 @@ class Method:
         raise NotImplementedError
 
     def new_cache(self, shape: ModelShape, model_dtype: torch.dtype) -> KVBenchCache:
-        return KVBenchCache([self.make_layer(i, shape, model_dtype) for i in range(shape.num_layers)])
+        layers = [self.make_layer(i, shape, model_dtype) for i in range(shape.num_layers)]
+        if self.config.sink_tokens:
+            fp_dtype = self.config.torch_fp_dtype(model_dtype)
+            layers = [SinkLayer(layer, self.config.sink_tokens, fp_dtype) for layer in layers]
+        return KVBenchCache(layers)
 
     def label(self) -> str:
+        return self.base_label() + (f"-sink{self.config.sink_tokens}" if self.config.sink_tokens else "")
+
+    def base_label(self) -> str:
         bits = self.config.bits
         return self.registered_name if bits is None else f"{self.registered_name}-{bits:g}b"
 

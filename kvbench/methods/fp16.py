@@ -43,5 +43,5 @@ class FP16(Method):
     def make_layer(self, layer_idx, shape, model_dtype):
         return FullPrecisionLayer(layer_idx, self.config.torch_fp_dtype(model_dtype))
 
-    def label(self) -> str:
+    def base_label(self) -> str:
         return "fp16"

@@ -170,7 +170,7 @@ class KIVI(Method):
     def make_layer(self, layer_idx, shape, model_dtype):
         return KIVILayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
 
-    def label(self) -> str:
+    def base_label(self) -> str:
         c = self.config
         bits = f"{c.key_bits:g}b" if c.key_bits == c.value_bits else f"k{c.key_bits:g}v{c.value_bits:g}"
         zp = "-specache0" if c.zero_point == "specache" else ""
