@@ -14,6 +14,9 @@ METHOD_TABLE = {
     "fp16": ({"name": "fp16"}, False, 1e-3),
     "uniform": ({"name": "uniform", "bits": 2}, True, 0.5),
     "kivi": ({"name": "kivi", "bits": 2}, True, 0.5),
+    "intactkv": ({"name": "intactkv", "bits": 2, "tokens": 1}, True, 0.5),
+    "turboquant": ({"name": "turboquant", "bits": 2}, True, 0.5),
+    "ott": ({"name": "ott", "bits": 2}, True, 0.5),
 }
 
 SHAPE = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)
