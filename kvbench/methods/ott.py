@@ -1,0 +1,396 @@
+"""``ott``: OTT, Outlier Tokens Tracing (Su et al., "Accurate KV Cache Quantization with Outlier
+Tokens Tracing", ACL 2025).
+
+OTT is KIVI (:mod:`kvbench.methods.kivi`) plus a small full-precision pool of *outlier tokens*,
+tracked per (layer, kv head) while decoding.
+
+Layout and quantizer (Sec. 3 "Quantization", following KIVI): keys per channel over groups of G
+consecutive tokens, values per token over groups of ``value_group_size`` channels, KIVI's affine
+map X' = Q(X) * s + z, z = min X, s = (max X - min X) / (2^B - 1). The paper names a single group
+size, G = 128, the number of tokens quantized per step; it gives no channel group for the values,
+so ``value_group_size`` keeps KIVI's 32 (it divides head_dim 64 and 128; ``null`` takes the whole
+head).
+
+Streaming (Sec. 3 and Sec. 4 setup, "Keys and Values are compressed together every G steps"):
+the full-precision part holds the newest R tokens (the sliding window) plus the tokens of the group
+not yet full; whenever it holds at least R + G tokens its oldest G tokens, keys and values
+together, are quantized as one group. Prefill runs the same rule group by group, so a prefill
+stores exactly what feeding the same tokens one at a time stores. R need not be a multiple of G
+(the paper's defaults are G = 128, R = 32).
+
+Outlier pool (Sec. 3 "Quantization", Appendix E), per (layer, kv head), capacity N:
+
+- score S_i = ||K_i||_1, the L1 norm of token i's (post-RoPE) key in that head;
+- at each quantization step the G group tokens and the tokens already in the pool O^(t) compete:
+  O^(t+1) = the N tokens of O^(t) u T^(t) with the *smallest* S_i. Smallest, because the outliers
+  the paper finds (Sec. 2, Fig. 1d/1e and the ablation of Fig. 1c) are tokens whose keys are tiny in
+  the large-magnitude channels, which stretch the per-channel range [min, max]; keeping the
+  smallest-norm keys gave the lowest attention error, the largest-norm ones the highest. Ties go
+  to the older token;
+- group tokens that enter the pool are replaced, for the group's quantization, by the mean of all
+  G tokens of the group (outliers included: "replaced by the average of all tokens"), keys and
+  values alike; their codes are stored with the group but never read: reads and attention take
+  the pool's full-precision copy at the token's position;
+- pool tokens beaten by newer ones cannot go back into their already-quantized group; as in the
+  paper they move to an extra full-precision pool (capacity ``extra_pool_size``, 32). Tracing
+  stops for a head at the first step whose evictions the extra pool cannot take in full: from that
+  step on its groups are quantized plainly, and its pool and extra pool are frozen (no token is
+  ever dropped, so the extra pool may stop a few slots short of full);
+- the first ``skip_layers`` (2) layers have no pool (N = 0, Sec. 4 ablation "shallow layers");
+- N <= G, so the pool is full (N tokens in every head) after the first quantization step.
+
+Decoding (Sec. 3 "Decoding"): attention runs over three parts, the dequantized cache with the pool
+positions left out, the full-precision window (with the tokens of this forward, exact), and the
+outlier pools (full precision; keys are post-RoPE, so they already carry their original position),
+with one softmax across the three parts: softmax(q K^T * scale + mask) V. This equals attention
+over the same values placed at their positions, which is what :meth:`OTTLayer.read` returns.
+
+Accounting: codes/scales/zeros of every quantized token (pool tokens' unread codes included),
+``residual`` for the window, ``outliers`` for the pool and extra pool (fp keys and values, int32
+positions) and the per-head tracing flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from kvbench.cache import KVLayer
+from kvbench.cache.layer import cat_tokens, merge_held
+from kvbench.cache.quantized import QuantizedTokens
+from kvbench.config import check_choice, require
+from kvbench.methods.base import Method, MethodConfig, check_group, register_method
+from kvbench.methods.kivi import KIVILayer
+from kvbench.methods.uniform import ZERO_POINTS, zero_point_for
+
+EMPTY = -1  # position of an unused extra-pool slot
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class OTTConfig(MethodConfig):
+    name: str = "ott"
+    group_size: int = 128
+    value_group_size: int | None = 32
+    residual: int = 32
+    pool_size: int = 3
+    skip_layers: int = 2
+    extra_pool_size: int = 32
+    key_bits: float | None = None
+    value_bits: float | None = None
+    zero_point: str = "minmax"
+
+    default_bits: ClassVar[float] = 2.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("method.zero_point", self.zero_point, ZERO_POINTS)
+        require(
+            _is_int(self.group_size) and self.group_size > 0,
+            "method.group_size",
+            self.group_size,
+            "a positive integer: tokens per quantization step (key channel-group length)",
+        )
+        require(
+            self.value_group_size is None or (_is_int(self.value_group_size) and self.value_group_size > 0),
+            "method.value_group_size",
+            self.value_group_size,
+            "a positive integer dividing head_dim, or null for the whole head",
+        )
+        require(
+            _is_int(self.residual) and self.residual >= 0,
+            "method.residual",
+            self.residual,
+            "a non-negative integer: the full-precision window of newest tokens",
+        )
+        require(
+            _is_int(self.pool_size) and 0 <= self.pool_size <= self.group_size,
+            "method.pool_size",
+            self.pool_size,
+            f"an integer from 0 to method.group_size={self.group_size}",
+        )
+        for key in ("skip_layers", "extra_pool_size"):
+            value = getattr(self, key)
+            require(_is_int(value) and value >= 0, f"method.{key}", value, "a non-negative integer")
+        for part in ("key_bits", "value_bits"):
+            own = getattr(self, part)
+            self.levels(self.bits if own is None else own, key="bits" if own is None else f"method.{part}")
+            setattr(self, part, float(self.bits if own is None else own))
+
+    def check_model(self, shape):
+        check_group("method.value_group_size", self.value_group_size, shape.head_dim, "head_dim")
+
+
+class Pool(NamedTuple):
+    """Full-precision tokens ``k, v [B, H_kv, n, D]`` at positions ``pos [B, H_kv, n]`` (int32;
+    ``EMPTY`` marks an unused slot)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v, self.pos]
+
+
+class Stored(NamedTuple):
+    """What a layer holds, ready to attend: the dequantized cache ``qk, qv`` (float32, or None),
+    all outlier tokens ``ok, ov`` with int64 positions ``opos`` (``EMPTY``: unused; None when the
+    layer has none) and the full-precision window ``wk, wv`` (or None)."""
+
+    qk: torch.Tensor | None
+    qv: torch.Tensor | None
+    ok: torch.Tensor | None
+    ov: torch.Tensor | None
+    opos: torch.Tensor | None
+    wk: torch.Tensor | None
+    wv: torch.Tensor | None
+
+
+def place(x: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, T, D]`` with ``tokens [B, H, n, D]`` written at ``pos [B, H, n]`` (slots at
+    ``EMPTY`` are skipped): they go to a scratch row past the end that is then dropped."""
+    t = x.shape[-2]
+    padded = torch.cat([x, x.new_zeros(*x.shape[:-2], 1, x.shape[-1])], dim=-2)
+    idx = torch.where(pos >= 0, pos, t).long()[..., None].expand(*pos.shape, x.shape[-1])
+    return padded.scatter(-2, idx, tokens.to(x.dtype))[..., :t, :]
+
+
+def additive_mask(attention_mask, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """float32 ``[B|1, H|1, q, kv]``: 0 where a query may attend, -inf elsewhere. ``None`` is the
+    causal rule of the newest ``q_len`` tokens; a bool mask is True where attended; a float mask is
+    already additive."""
+    if attention_mask is None:
+        past = kv_len - q_len
+        allowed = (
+            torch.arange(kv_len, device=device)[None, :] <= past + torch.arange(q_len, device=device)[:, None]
+        )
+        attention_mask = allowed[None, None]
+    attention_mask = attention_mask[..., :kv_len]
+    if attention_mask.dtype == torch.bool:
+        zero = torch.zeros((), device=device)
+        return torch.where(attention_mask, zero, torch.tensor(float("-inf"), device=device))
+    return attention_mask.float()
+
+
+class OTTLayer(KIVILayer):
+    """KIVI's stores (``kq`` keys per channel over G tokens, ``k_res``/``v_res`` the full-precision
+    tokens) with values per token over ``value_group_size`` channels, plus the outlier pools."""
+
+    def __init__(self, layer_idx, cfg: OTTConfig, fp_dtype):
+        super().__init__(layer_idx, cfg, fp_dtype)
+        # KIVI uses G for both axes; OTT's G is a token count, the value channel group is its own knob.
+        v_levels = cfg.levels(cfg.value_bits)
+        self.vq = QuantizedTokens(
+            v_levels,
+            "token",
+            cfg.value_group_size,
+            zero_point_for(cfg.zero_point, v_levels),
+            backend=cfg.backend,
+        )
+        self.pool_size = 0 if layer_idx < cfg.skip_layers else cfg.pool_size
+        self.extra_pool_size = cfg.extra_pool_size
+        self.pool: Pool | None = None  # N tokens, positions ascending
+        self.extra: Pool | None = None  # evicted outliers, valid slots first
+        self.tracing: torch.Tensor | None = None  # bool [B, H_kv]: still identifying outliers
+        self._pending: tuple | None = None  # (stored before this forward, new keys, new values)
+
+    # -- storage ------------------------------------------------------------------------------
+    def append(self, keys, values):
+        self.k_res.append(keys)
+        self.v_res.append(values)
+        while len(self.k_res) >= self.residual + self.group:
+            self._quantize_group(self.k_res.pop_front(self.group), self.v_res.pop_front(self.group))
+
+    def _quantize_group(self, k, v):
+        if self.pool_size:
+            k, v = self._trace(k, v, start=len(self.kq))
+        self.kq.append(k)
+        self.vq.append(v)
+
+    def extra_count(self) -> torch.Tensor:
+        """Evicted outliers held per head, ``[B, H_kv]``."""
+        return (self.extra.pos >= 0).sum(-1)
+
+    def _trace(self, k, v, start):
+        """One competition (Appendix E) for the group ``k, v [B, H, G, D]`` at positions
+        ``start..start+G-1``; returns the group with its new outliers mean-replaced (float32)."""
+        b, h, g, d = k.shape
+        pos = torch.arange(start, start + g, device=k.device, dtype=torch.int32).expand(b, h, g)
+        if self.pool is None:
+            self.pool = Pool(k[..., :0, :], v[..., :0, :], pos[..., :0])
+            self.extra = Pool(k[..., :0, :], v[..., :0, :], pos[..., :0])
+            self.tracing = torch.ones(b, h, dtype=torch.bool, device=k.device)
+        old, n = self.pool, self.pool.pos.shape[-1]
+        cand_k = torch.cat([old.k, k.to(old.k.dtype)], dim=-2)
+        cand_v = torch.cat([old.v, v.to(old.v.dtype)], dim=-2)
+        cand_pos = torch.cat([old.pos, pos], dim=-1)
+        score = cand_k.float().abs().sum(-1)  # S_i = ||K_i||_1
+        # candidates are in position order (pool older than group): a stable sort breaks ties by age
+        chosen = torch.sort(score, dim=-1, stable=True).indices[..., : self.pool_size]
+        chosen = chosen.sort(dim=-1).values  # back to position order
+        keep = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, chosen, True)
+        evicted = ~keep[..., :n]
+        room = self.extra_pool_size - self.extra_count()
+        active = self.tracing & (evicted.sum(-1) <= room)
+        self.tracing = active
+
+        def gather(x):
+            return x.gather(-2, chosen[..., None].expand(*chosen.shape, d))
+
+        new = Pool(gather(cand_k), gather(cand_v), cand_pos.gather(-1, chosen))
+        if n == self.pool_size:
+            # a head that stops keeps its pool (heads only stop once their pool is full)
+            a = active[..., None]
+            new = Pool(
+                torch.where(a[..., None], new.k, old.k),
+                torch.where(a[..., None], new.v, old.v),
+                torch.where(a, new.pos, old.pos),
+            )
+        self.pool = new
+
+        gone = evicted & active[..., None]
+        if gone.any():
+            ek = torch.cat([self.extra.k, old.k], dim=-2)
+            ev = torch.cat([self.extra.v, old.v], dim=-2)
+            epos = torch.cat([self.extra.pos, torch.where(gone, old.pos, EMPTY)], dim=-1)
+            valid = epos >= 0
+            order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices
+            order = order[..., : int(valid.sum(-1).max())]
+            valid = valid.gather(-1, order)[..., None]
+            idx = order[..., None].expand(*order.shape, d)
+            self.extra = Pool(
+                torch.where(valid, ek.gather(-2, idx), 0),
+                torch.where(valid, ev.gather(-2, idx), 0),
+                epos.gather(-1, order),
+            )
+
+        joined = (keep[..., n:] & active[..., None])[..., None]  # group tokens now in the pool
+        k, v = k.float(), v.float()
+        k = torch.where(joined, k.mean(-2, keepdim=True), k)
+        v = torch.where(joined, v.mean(-2, keepdim=True), v)
+        return k, v
+
+    def stored(self) -> Stored:
+        qk = self.kq.dequantize() if len(self.kq) else None
+        qv = self.vq.dequantize() if len(self.vq) else None
+        ok = ov = opos = None
+        if self.pool is not None:
+            ok = torch.cat([self.pool.k, self.extra.k], dim=-2)
+            ov = torch.cat([self.pool.v, self.extra.v], dim=-2)
+            opos = torch.cat([self.pool.pos, self.extra.pos], dim=-1).long()
+        return Stored(qk, qv, ok, ov, opos, self.k_res.data, self.v_res.data)
+
+    @staticmethod
+    def dense(s: Stored) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored tokens in position order: outliers at their positions over the cache."""
+        qk, qv = s.qk, s.qv
+        if qk is not None and s.opos is not None:
+            qk, qv = place(qk, s.ok, s.opos), place(qv, s.ov, s.opos)
+        return cat_tokens(qk, s.wk), cat_tokens(qv, s.wv)
+
+    def read(self):
+        return self.dense(self.stored())
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # KVLayer's read rule, keeping the pieces of the stored part for attend
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.num_tokens:
+            stored = self.stored()
+            self._pending = (stored, key_states, value_states)
+            past_k, past_v = self.dense(stored)
+            keys = torch.cat([past_k.to(key_states.dtype), key_states], dim=-2)
+            values = torch.cat([past_v.to(value_states.dtype), value_states], dim=-2)
+        else:
+            self._pending = None
+            keys, values = key_states, value_states
+        self.append(key_states, value_states)
+        self.num_tokens += key_states.shape[-2]
+        return keys, values
+
+    def held_tensors(self):
+        held = super().held_tensors()  # codes, scales, zeros, residual
+        if self.pool is None:
+            return held
+        return merge_held(held, {"outliers": self.pool.tensors() + self.extra.tensors() + [self.tracing]})
+
+    # -- attention ----------------------------------------------------------------------------
+    def attend(self, module, query, keys, values, attention_mask, **kwargs):
+        pending, self._pending = self._pending, None
+        if pending is None:  # nothing stored before this forward: exact tokens only
+            return KVLayer.attend(self, module, query, keys, values, attention_mask, **kwargs)
+        if kwargs.get("softcap") is not None:
+            raise ValueError("ott attention does not support softcap")
+        s, new_k, new_v = pending
+        scaling = kwargs.get("scaling") or module.scaling
+        out = three_part_attention(query, s, new_k, new_v, attention_mask, scaling)
+        return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def three_part_attention(query, s: Stored, new_k, new_v, attention_mask, scaling) -> torch.Tensor:
+    """``query [B, H, q, D]`` over the quantized cache (outlier positions excluded), the outliers
+    and the full-precision window followed by the new tokens, with one softmax (float32).
+    Returns ``[B, H, q, D]``."""
+    b, h, q_len, d = query.shape
+    hk = new_k.shape[1]
+    rep = h // hk
+    # query heads kv*rep + r share kv head kv: rows (r, i) of one kv head
+    qf = query.float().reshape(b, hk, rep * q_len, d)
+    wk, wv = cat_tokens(s.wk, new_k).float(), cat_tokens(s.wv, new_v).float()
+    tq = 0 if s.qk is None else s.qk.shape[-2]
+    kv_len = tq + wk.shape[-2]
+    mask = additive_mask(attention_mask, q_len, kv_len, query.device)
+    mb, mh = mask.shape[:2]
+    if mh == 1:
+        mask = mask.repeat(1, 1, rep, 1)
+    else:
+        mask = mask.reshape(mb, hk, rep * q_len, kv_len)
+    mask = mask.expand(b, hk, rep * q_len, kv_len)
+
+    scores, vals = [], []
+    if tq:
+        sq = qf @ s.qk.float().transpose(-1, -2) * scaling + mask[..., :tq]
+        if s.opos is not None:
+            excluded = place(
+                torch.zeros(b, hk, tq, 1, device=query.device), torch.ones_like(s.opos[..., None]), s.opos
+            )
+            sq = sq.masked_fill(excluded[..., 0].bool()[:, :, None, :], float("-inf"))
+        scores.append(sq)
+        vals.append(s.qv.float())
+    if s.opos is not None:
+        valid = s.opos >= 0
+        idx = torch.where(valid, s.opos, 0)[:, :, None, :].expand(b, hk, rep * q_len, s.opos.shape[-1])
+        so = qf @ s.ok.float().transpose(-1, -2) * scaling + mask.gather(-1, idx)
+        scores.append(so.masked_fill(~valid[:, :, None, :], float("-inf")))
+        vals.append(s.ov.float())
+    scores.append(qf @ wk.transpose(-1, -2) * scaling + mask[..., tq:])
+    vals.append(wv)
+
+    # one softmax over the three parts, max-subtracted in float32
+    logits = torch.cat(scores, dim=-1)
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a fully masked row
+    p = torch.exp(logits - top)
+    den = p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    parts = p.split([x.shape[-1] for x in scores], dim=-1)
+    out = sum(w @ val for w, val in zip(parts, vals, strict=True)) / den
+    return out.reshape(b, h, q_len, d)
+
+
+@register_method("ott")
+class OTT(Method):
+    Config = OTTConfig
+
+    def make_layer(self, layer_idx, shape, model_dtype):
+        return OTTLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+
+    def label(self) -> str:
+        c = self.config
+        bits = f"{c.key_bits:g}b" if c.key_bits == c.value_bits else f"k{c.key_bits:g}v{c.value_bits:g}"
+        return f"ott-{bits}"
