@@ -56,6 +56,14 @@ class MethodConfig:
             require(isinstance(self.bits, (int, float)), "bits", self.bits, "a number: log2 of a level count")
             self.bits = float(self.bits)
 
+    def resolve_kv_bits(self) -> None:
+        """Fill ``key_bits``/``value_bits`` (fields of methods that quantize keys and values
+        separately) from ``bits`` where unset, validating each under the key the user actually set."""
+        for part in ("key_bits", "value_bits"):
+            own = getattr(self, part)
+            self.levels(self.bits if own is None else own, key="bits" if own is None else f"method.{part}")
+            setattr(self, part, float(self.bits if own is None else own))
+
     def levels(self, bits: float | None = None, key: str = "bits") -> int:
         return levels_for_bits(self.bits if bits is None else bits, key=key)
 

@@ -68,11 +68,7 @@ class KIVIConfig(MethodConfig):
             self.residual,
             f"must be a positive multiple of method.group_size={self.group_size}",
         )
-        for part in ("key_bits", "value_bits"):
-            own = getattr(self, part)
-            # an inherited width is reported under the key the user actually set
-            self.levels(self.bits if own is None else own, key="bits" if own is None else f"method.{part}")
-            setattr(self, part, float(self.bits if own is None else own))
+        self.resolve_kv_bits()
 
     def check_model(self, shape):
         check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")

@@ -117,10 +117,7 @@ class OTTConfig(MethodConfig):
         for key in ("skip_layers", "extra_pool_size"):
             value = getattr(self, key)
             require(_is_int(value) and value >= 0, f"method.{key}", value, "a non-negative integer")
-        for part in ("key_bits", "value_bits"):
-            own = getattr(self, part)
-            self.levels(self.bits if own is None else own, key="bits" if own is None else f"method.{part}")
-            setattr(self, part, float(self.bits if own is None else own))
+        self.resolve_kv_bits()
 
     def check_model(self, shape):
         check_group("method.value_group_size", self.value_group_size, shape.head_dim, "head_dim")

@@ -79,11 +79,7 @@ class TurboQuantConfig(MethodConfig):
             self.residual,
             "a non-negative token count (0: no full-precision window)",
         )
-        for part in ("key_bits", "value_bits"):
-            own = getattr(self, part)
-            # an inherited width is reported under the key the user actually set
-            self.levels(self.bits if own is None else own, key="bits" if own is None else f"method.{part}")
-            setattr(self, part, float(self.bits if own is None else own))
+        self.resolve_kv_bits()
 
 
 def head_seed(seed: int, layer_idx: int, head: int) -> int:
