@@ -139,6 +139,7 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
     shape = model_shape(model, model_cfg.max_context)
     method.config.check_model(shape)
     task.check_model(shape, tokenizer)
+    method.prepare(model, tokenizer, shape, data_root)
     runner = ModelRunner(model, tokenizer, method, shape)
 
     t_run = time.perf_counter()

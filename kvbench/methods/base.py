@@ -97,6 +97,10 @@ class Method:
     def make_layer(self, layer_idx: int, shape: ModelShape, model_dtype: torch.dtype) -> KVLayer:
         raise NotImplementedError
 
+    def prepare(self, model, tokenizer, shape: ModelShape, data_root) -> None:
+        """Called once after the model is loaded and before any sample runs: offline calibration
+        (KVQuant's per-channel key ranges and non-uniform datatypes, ...) goes here. Default: none."""
+
     def new_cache(self, shape: ModelShape, model_dtype: torch.dtype) -> KVBenchCache:
         layers = [self.make_layer(i, shape, model_dtype) for i in range(shape.num_layers)]
         if self.config.sink_tokens:
