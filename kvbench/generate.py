@@ -62,8 +62,10 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: KVBenchCache) -> torch.Tensor:
         """``input_ids [1, t]`` appended to ``cache``; returns float32 logits ``[1, t, vocab]``."""
-        out = self.model(input_ids=input_ids.to(self.device), cache=cache, use_cache=True)
-        return out.logits.float()
+        input_ids = input_ids.to(self.device)
+        logits = self.model(input_ids=input_ids, cache=cache, use_cache=True).logits.float()
+        self.method.after_forward(cache, input_ids, logits)
+        return logits
 
     def encode(self, text: str) -> torch.Tensor:
         return self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids

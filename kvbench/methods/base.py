@@ -97,6 +97,11 @@ class Method:
     def make_layer(self, layer_idx: int, shape: ModelShape, model_dtype: torch.dtype) -> KVLayer:
         raise NotImplementedError
 
+    def after_forward(self, cache: KVBenchCache, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        """Called by the decode loop after every forward with its ``input_ids [B, t]`` and float32
+        ``logits [B, t, vocab]``: methods that decide what to store from the model's outputs
+        (SemKV's logit metrics, delayed allocation) act here. Default: nothing."""
+
     def prepare(self, model, tokenizer, shape: ModelShape, data_root) -> None:
         """Called once after the model is loaded and before any sample runs: offline calibration
         (KVQuant's per-channel key ranges and non-uniform datatypes, ...) goes here. Default: none."""

@@ -17,6 +17,10 @@ METHOD_TABLE = {
     "intactkv": ({"name": "intactkv", "bits": 2, "tokens": 1}, True, 0.5),
     "turboquant": ({"name": "turboquant", "bits": 2}, True, 0.5),
     "ott": ({"name": "ott", "bits": 2}, True, 0.5),
+    # the table shape has no rope_theta and no model to calibrate on: post-RoPE, prompt statistics
+    "kvquant": ({"name": "kvquant", "bits": 2, "calibrate": False, "pre_rope": False}, True, 0.6),
+    # 6 stored bits: 8 + fp16 params (1 bit at G = 32) would not fit the shared < FP16/2 check
+    "readkv": ({"name": "readkv", "bits": 6, "read_bits": 3}, True, 0.2),
 }
 
 SHAPE = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)
