@@ -1,0 +1,318 @@
+"""``readkv``: ReadKV (Amazon / UC Berkeley, "ReadKV": separate budgets for retained bits and bits
+read per query; query-adaptive reads of a progressive KV cache).
+
+Retained: every key and value is stored once as a B-bit affine code (``bits``, default 8; the
+paper's headline reads 4 bits on average from an 8-bit cache) in KIVI's layout: keys per channel
+over groups of G consecutive tokens, values per token over groups of G channels, z = min,
+s = (max - min) / (2^B - 1), round half up (:mod:`kvbench.quant.affine`). The code is progressive
+(:mod:`kvbench.quant.progressive`): its top p bits reconstruct at the centre of their bin,
+x_p = z + s * ((q >> (B-p) + 0.5) * 2^(B-p) - 0.5), and x_B is the stored value exactly. Stored
+entries never change.
+
+Storage layout and what "read bits" means: the codes are held as plain packed B-bit codes
+(``QuantizedTokens``; for B = 8 one byte per value) plus fp16 scales/zeros. The read counter is the
+paper's *logical payload read*: a value read at prefix p counts p bits (the codes' top p bits);
+scales/zeros and the full-precision tokens are not counted. With this byte layout a physical reader
+would move whole bytes; a bit-plane layout would make the logical count physical.
+
+Streaming: new tokens join a full-precision buffer (``fp_dtype``); whenever it holds at least
+R + G tokens (R = ``residual``, default 0, as the paper's abstract names no window), its oldest G
+tokens, keys and values together, are quantized. So the newest R..R+G-1 tokens stay exact.
+
+Reads, per decode query (query length 1-2; every query head and position is its own query; the
+abstract's two stages, each optimal under a fixed budget with diminishing refinement gains):
+
+1. Keys. The key part of the budget is ``floor(2 * key_share * read_bits * D)`` bits per stored
+   token, split over channels: channel c gets p_c in 0..B bits (the same for every stored token)
+   minimising sum_c (|q_c| sigma_c)^2 4^(-p_c), sigma_c the root-mean-square key scale of channel c
+   over its token groups: the variance of the score error q . (k_p - k). Greedy over refinement
+   gains (:func:`~kvbench.quant.progressive.allocate_prefix_bits`) is exact here.
+2. Attention a = softmax(q K_p^T * scaling + mask) over the reconstructed stored keys, the exact
+   buffered tokens and this forward's tokens (one softmax).
+3. Values. The value part, ``floor(2 * (1 - key_share) * read_bits * T)`` bits per channel, i.e.
+   ``(1 - key_share) * 2 * read_bits`` bits per value on average, is split over stored tokens:
+   token t gets p_t in 0..B bits minimising sum_t (a_t rho_t)^2 4^(-p_t), rho_t the RMS of the
+   token's value scales over its channel groups (the variance of the output error a . (V_p - V)).
+4. Output = a . [V_p; exact tokens].
+
+With ``read_bits = bits`` and ``key_share = 0.5`` every prefix is full, and the output is dense
+attention over the stored reconstruction. Prefill (and chunks longer than two tokens) uses the
+normal path: exact tokens of this forward, stored tokens at full B-bit reconstruction.
+
+Accounting: ``held_tensors`` holds codes, scales, zeros and the ``residual`` buffer (retained bits).
+Read bits are counted separately on the layer: ``read_bits_total`` (payload bits read) and
+``read_values_total`` (stored values each query could read, keys and values), and
+:meth:`ReadKVLayer.read_bits_per_value` is their ratio (None before any query-adaptive read).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from kvbench.cache import KVLayer
+from kvbench.cache.fp import FullPrecisionTokens
+from kvbench.cache.layer import cat_tokens, merge_held
+from kvbench.cache.quantized import QuantizedTokens
+from kvbench.config import require
+from kvbench.methods.base import Method, MethodConfig, check_group, register_method
+from kvbench.methods.ott import additive_mask
+from kvbench.quant.packing import unpack
+from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class ReadKVConfig(MethodConfig):
+    """``bits``: stored code width B (integer 2..8). ``read_bits``: mean payload bits read per value
+    per query (0 < read_bits <= bits; null: min(4, bits)). ``key_share``: fraction of the read
+    budget spent on keys."""
+
+    name: str = "readkv"
+    read_bits: float | None = None
+    group_size: int = 32
+    residual: int = 0
+    key_share: float = 0.5
+
+    default_bits: ClassVar[float] = 8.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        require(self.backend == "torch", "method.backend", self.backend, "readkv has only the torch backend")
+        require(
+            self.bits is not None and float(self.bits).is_integer() and 2 <= self.bits <= 8,
+            "method.bits",
+            self.bits,
+            "the stored code width: an integer from 2 to 8",
+        )
+        if self.read_bits is None:
+            self.read_bits = min(4.0, self.bits)
+        require(
+            _is_number(self.read_bits) and 0 < self.read_bits <= self.bits,
+            "method.read_bits",
+            self.read_bits,
+            f"mean bits read per value: a number in (0, method.bits={self.bits:g}]",
+        )
+        self.read_bits = float(self.read_bits)
+        require(
+            _is_int(self.group_size) and self.group_size > 0,
+            "method.group_size",
+            self.group_size,
+            "a positive integer (tokens per key group, channels per value group)",
+        )
+        require(
+            _is_int(self.residual) and self.residual >= 0,
+            "method.residual",
+            self.residual,
+            "a non-negative integer: newest tokens kept in full precision",
+        )
+        require(
+            _is_number(self.key_share) and 0 <= self.key_share <= 1,
+            "method.key_share",
+            self.key_share,
+            "the fraction of the read budget spent on keys, in [0, 1]",
+        )
+
+    def check_model(self, shape):
+        check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")
+
+
+class Codes(NamedTuple):
+    """Unpacked stored codes ``[B, H_kv, T, D]`` (uint8) with scale/zero expanded to that shape
+    (float32), and ``rms``, the root-mean-square scale the allocation weighs by: per channel
+    ``[B, H_kv, D]`` for keys, per token ``[B, H_kv, T]`` for values."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    rms: torch.Tensor
+
+
+def grouped_codes(codes, scale, zero, axis: str, group: int) -> Codes:
+    """:class:`Codes` from unpacked codes and the grouped ``scale``/``zero`` of
+    :func:`~kvbench.quant.affine.quantize_grouped` (``axis`` ``channel``: keys, ``token``: values)."""
+    dim = -2 if axis == "channel" else -1
+    scale = scale.float()
+    rms = scale.pow(2).mean(dim).sqrt()
+    return Codes(codes, scale.repeat_interleave(group, dim), zero.float().repeat_interleave(group, dim), rms)
+
+
+def expanded_codes(store: QuantizedTokens) -> Codes:
+    codes = unpack(store.codes, store.levels, store.head_dim)
+    return grouped_codes(codes, store.scale, store.zero, store.axis, store.group_size)
+
+
+def budgets(read_bits: float, key_share: float, head_dim: int, tokens: int) -> tuple[int, int]:
+    """``(key bits per stored token, value bits per channel)``: the integer read budgets of the two
+    stages (module docstring, steps 1 and 3)."""
+    key = math.floor(2 * key_share * read_bits * head_dim + 1e-9)
+    value = math.floor(2 * (1 - key_share) * read_bits * tokens + 1e-9)
+    return key, value
+
+
+def query_adaptive_attention(
+    query: torch.Tensor,
+    keys: Codes,
+    values: Codes,
+    bits: int,
+    key_budget: int,
+    value_budget: int,
+    scaling: float,
+    exact_k: torch.Tensor | None = None,
+    exact_v: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ReadKV's read for queries ``[B, H_kv, n, D]`` (n query rows per kv head) over stored codes
+    ``[B, H_kv, T, D]`` followed by exact tokens ``[B, H_kv, t, D]`` (or None); ``mask`` is additive
+    ``[B, H_kv, n, T + t]`` (or None). Returns float32 ``(out [B, H_kv, n, D], key prefix bits
+    [B, H_kv, n, D], value prefix bits [B, H_kv, n, T])``."""
+    q = query.float()
+    tq = keys.codes.shape[-2]
+    # 1. key channels: weight |q_c| * sigma_c
+    pk = allocate_prefix_bits(q.abs() * keys.rms[:, :, None, :], bits, key_budget)  # [B, H, n, D]
+    k_p = prefix_reconstruct(
+        keys.codes[:, :, None], keys.scale[:, :, None], keys.zero[:, :, None], bits, pk[:, :, :, None, :]
+    )  # [B, H, n, T, D]
+    # 2. attention over reconstructed stored keys and exact tokens, one softmax
+    logits = (k_p @ q[..., None])[..., 0] * scaling  # [B, H, n, T]
+    if exact_k is not None and exact_k.shape[-2]:
+        logits = torch.cat([logits, q @ exact_k.float().transpose(-1, -2) * scaling], dim=-1)
+    if mask is not None:
+        logits = logits + mask
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    p = torch.exp(logits - top)
+    a = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    a_stored = a[..., :tq]
+    # 3. value tokens: weight a_t * rho_t
+    pv = allocate_prefix_bits(a_stored * values.rms[:, :, None, :], bits, value_budget)  # [B, H, n, T]
+    v_p = prefix_reconstruct(
+        values.codes[:, :, None], values.scale[:, :, None], values.zero[:, :, None], bits, pv[..., None]
+    )  # [B, H, n, T, D]
+    # 4. output
+    out = (a_stored[..., None, :] @ v_p)[..., 0, :]
+    if exact_v is not None and exact_v.shape[-2]:
+        out = out + a[..., tq:] @ exact_v.float()
+    return out, pk, pv
+
+
+class ReadKVLayer(KVLayer):
+    def __init__(self, layer_idx, cfg: ReadKVConfig, fp_dtype):
+        super().__init__(layer_idx)
+        self.bits = int(cfg.bits)
+        self.read_bits, self.key_share = cfg.read_bits, cfg.key_share
+        self.group, self.residual = cfg.group_size, cfg.residual
+        levels = 2**self.bits
+        self.kq = QuantizedTokens(levels, "channel", self.group)
+        self.vq = QuantizedTokens(levels, "token", self.group)
+        self.k_buf = FullPrecisionTokens(fp_dtype)
+        self.v_buf = FullPrecisionTokens(fp_dtype)
+        self.read_bits_total = 0
+        self.read_values_total = 0
+        self._pending: tuple | None = None  # (stored codes, buffer k, buffer v, new k, new v)
+        # decoded view of the stores (codes, B-bit reconstruction), rebuilt when they change
+        self._view: tuple | None = None
+
+    def view(self) -> tuple[Codes, Codes, torch.Tensor, torch.Tensor]:
+        if self._view is None or self._view[0] != len(self.kq):
+            kc, vc = expanded_codes(self.kq), expanded_codes(self.vq)
+            self._view = (len(self.kq), kc, vc, kc.codes * kc.scale + kc.zero, vc.codes * vc.scale + vc.zero)
+        return self._view[1:]
+
+    def append(self, keys, values):
+        self.k_buf.append(keys)
+        self.v_buf.append(values)
+        while len(self.k_buf) >= self.residual + self.group:
+            self.kq.append(self.k_buf.pop_front(self.group))
+            self.vq.append(self.v_buf.pop_front(self.group))
+
+    def read(self):
+        if not len(self.kq):
+            return self.k_buf.data, self.v_buf.data
+        _, _, k, v = self.view()
+        return cat_tokens(k, self.k_buf.data), cat_tokens(v, self.v_buf.data)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self._pending = None
+        if key_states.shape[-2] <= 2 and len(self.kq):
+            # stores are replaced, not modified, on append: these references stay valid
+            kc, vc, _, _ = self.view()
+            self._pending = (
+                kc,
+                vc,
+                self.k_buf.data,
+                self.v_buf.data,
+                key_states,
+                value_states,
+            )
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def attend(self, module, query, keys, values, attention_mask, **kwargs):
+        pending, self._pending = self._pending, None
+        if pending is None or kwargs.get("softcap") is not None:
+            return super().attend(module, query, keys, values, attention_mask, **kwargs)
+        kc, vc, k_buf, v_buf, new_k, new_v = pending
+        b, h, q_len, d = query.shape
+        hk = new_k.shape[1]
+        rep = h // hk
+        qf = query.float().reshape(b, hk, rep * q_len, d)  # query heads kv*rep + r share kv head kv
+        exact_k, exact_v = cat_tokens(k_buf, new_k), cat_tokens(v_buf, new_v)
+        kv_len = kc.codes.shape[-2] + exact_k.shape[-2]
+        mask = additive_mask(attention_mask, q_len, kv_len, query.device)
+        if mask.shape[1] == 1:
+            mask = mask.repeat(1, 1, rep, 1)
+        else:
+            mask = mask.reshape(mask.shape[0], hk, rep * q_len, kv_len)
+        mask = mask.expand(b, hk, rep * q_len, kv_len)
+        tq = kc.codes.shape[-2]
+        kb, vb = budgets(self.read_bits, self.key_share, d, tq)
+        scaling = kwargs.get("scaling") or module.scaling
+        out, pk, pv = query_adaptive_attention(qf, kc, vc, self.bits, kb, vb, scaling, exact_k, exact_v, mask)
+        self.read_bits_total += int(pk.sum()) * tq + int(pv.sum()) * d
+        self.read_values_total += 2 * pk.shape[0] * pk.shape[1] * pk.shape[2] * tq * d
+        out = out.reshape(b, h, q_len, d)
+        return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+    def read_bits_per_value(self) -> float | None:
+        """Mean payload bits read per stored value per query, over this layer's decode reads."""
+        return self.read_bits_total / self.read_values_total if self.read_values_total else None
+
+    def held_tensors(self):
+        residual = {"residual": self.k_buf.tensors() + self.v_buf.tensors()}
+        return merge_held(self.kq.held_tensors(), self.vq.held_tensors(), residual)
+
+    def quantized_values(self):
+        return self.kq.quantized_values() + self.vq.quantized_values()
+
+    def nominal_code_bits(self):
+        return self.kq.nominal_code_bits() + self.vq.nominal_code_bits()
+
+
+def read_bits_per_value(layers) -> float | None:
+    """Method-agnostic: mean read bits per value over the layers that count reads (a
+    ``read_bits_total``/``read_values_total`` pair), or None if none does."""
+    total = sum(getattr(layer, "read_bits_total", 0) for layer in layers)
+    values = sum(getattr(layer, "read_values_total", 0) for layer in layers)
+    return total / values if values else None
+
+
+@register_method("readkv")
+class ReadKV(Method):
+    Config = ReadKVConfig
+
+    def make_layer(self, layer_idx, shape, model_dtype):
+        return ReadKVLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+
+    def base_label(self) -> str:
+        c = self.config
+        return f"readkv-{c.read_bits:g}of{c.bits:g}b"

@@ -1,0 +1,111 @@
+"""KVQuant's non-uniform datatype and dense-and-sparse outlier split (Hooper et al., "KVQuant",
+NeurIPS 2024, Secs. 3.3-3.4).
+
+Normalization (Sec. 3.3): every vector (a key channel, a value token) is mapped onto [-1, 1] by its
+own range ``[lo, hi]`` with ``zero = (hi + lo) / 2``, ``scale = (hi - lo) / 2``:
+
+    y = clamp((x - zero) / scale, -1, 1),      x_hat = c[q] * scale + zero
+
+Datatype: ``q = argmin_i |y - c_i|`` over a codebook of L sorted signposts ``c``. ``nuq``: ``c``
+minimizes sum_n (y_n - Q(y_n))^2 over normalized calibration values (the paper's objective with all
+Fisher weights F_ii = 1, i.e. unweighted 1-D k-means, solved by Lloyd iterations to a fixed point
+where every signpost is the mean of its cell); ``uniform``: ``c_i = -1 + 2 i / (L - 1)`` (the affine
+grid on [lo, hi]).
+
+Dense-and-sparse (Sec. 3.4): outliers are kept exactly in a sparse structure and excluded from the
+range. Per-channel (keys) the thresholds come from calibration: ``lo_c``/``hi_c`` are the
+``f/2`` and ``1 - f/2`` quantiles of channel c, and any element outside ``[lo_c, hi_c]`` is an
+outlier. Per-token (values, online) the ``ceil(f * D)`` elements of largest magnitude are outliers
+and ``[lo, hi]`` is the min/max of the rest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def outlier_count(n: int, fraction: float) -> int:
+    """Outliers kept per vector of ``n`` elements: ``ceil(fraction * n)`` (0 when fraction is 0)."""
+    return 0 if fraction <= 0 else min(n, math.ceil(fraction * n - 1e-9))
+
+
+def topk_outlier_mask(x: torch.Tensor, fraction: float) -> torch.Tensor:
+    """bool mask of the ``outlier_count(D, fraction)`` largest-magnitude elements of each vector
+    along the last axis (ties broken by ``torch.topk``)."""
+    k = outlier_count(x.shape[-1], fraction)
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    if k:
+        idx = x.float().abs().topk(k, dim=-1).indices
+        mask.scatter_(-1, idx, True)
+    return mask
+
+
+def masked_range(x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)`` over the last axis ignoring masked elements (float32, keepdim)."""
+    x = x.float()
+    if mask is None:
+        return x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    lo = torch.where(mask, torch.full_like(x, math.inf), x).amin(-1, keepdim=True)
+    hi = torch.where(mask, torch.full_like(x, -math.inf), x).amax(-1, keepdim=True)
+    # a vector that is all outliers: any finite range
+    lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo))
+    hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi))
+    return lo, hi
+
+
+def channel_thresholds(x: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel outlier thresholds over the first axis of ``x [N, ...]``: the ``f/2`` and
+    ``1 - f/2`` quantiles (min and max when ``f = 0``), float32 of shape ``x.shape[1:]``."""
+    x = x.float()
+    if fraction <= 0:
+        return x.amin(0), x.amax(0)
+    flat = x.reshape(x.shape[0], -1)
+    q = torch.tensor([fraction / 2, 1 - fraction / 2], dtype=torch.float32, device=x.device)
+    lo, hi = torch.quantile(flat, q, dim=0)
+    return lo.reshape(x.shape[1:]), hi.reshape(x.shape[1:])
+
+
+def scale_zero(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype = torch.float16):
+    """``(scale, zero)`` of ranges, rounded to their storage ``dtype``."""
+    return ((hi.float() - lo.float()) / 2).to(dtype), ((hi.float() + lo.float()) / 2).to(dtype)
+
+
+def normalize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``clamp((x - zero) / scale, -1, 1)`` in float32; a zero scale maps to 0."""
+    scale, zero = scale.float(), zero.float()
+    flat = scale == 0
+    y = (x.float() - zero) / torch.where(flat, torch.ones_like(scale), scale)
+    return torch.where(flat, torch.zeros_like(y), y).clamp(-1, 1)
+
+
+def uniform_codebook(levels: int) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, levels)
+
+
+def nearest_code(y: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """uint8 index of the nearest signpost of a sorted ``codebook`` (ties go to the lower one)."""
+    mid = (codebook[1:] + codebook[:-1]) / 2
+    return torch.bucketize(y.float().contiguous(), mid.to(y.device).float()).to(torch.uint8)
+
+
+def kmeans_1d(values: torch.Tensor, levels: int, iters: int = 100) -> torch.Tensor:
+    """Sorted float32 ``[levels]`` signposts minimizing the squared error of ``values`` (Lloyd's
+    algorithm from the ``(i + 1/2) / L`` quantiles; a cell left empty keeps its signpost). Stops at
+    a fixed point: every signpost is the mean of the values nearest to it."""
+    v = values.flatten().float()
+    if v.numel() == 0:
+        return uniform_codebook(levels)
+    probs = (torch.arange(levels, dtype=torch.float32) + 0.5) / levels
+    c = torch.quantile(v, probs.to(v.device)) if v.numel() <= 2**24 else uniform_codebook(levels)
+    for _ in range(iters):
+        c = torch.sort(c).values
+        q = nearest_code(v, c).long()
+        sums = torch.zeros(levels, device=v.device).index_add_(0, q, v)
+        counts = torch.zeros(levels, device=v.device).index_add_(0, q, torch.ones_like(v))
+        new = torch.where(counts > 0, sums / counts.clamp(min=1), c)
+        if torch.equal(new, c):
+            break
+        c = new
+    return torch.sort(c).values

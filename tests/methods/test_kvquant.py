@@ -1,0 +1,342 @@
+"""KVQuant: RoPE inversion, dense-and-sparse outliers, nuq codebooks, ablation switches, accounting."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbench.cache import memory_report
+from kvbench.errors import ConfigError
+from kvbench.methods import ModelShape, build_method
+from kvbench.methods.kvquant import DenseSparseTokens, LayerCalibration, calibrate_layer
+from kvbench.quant.nuq import channel_thresholds, kmeans_1d, nearest_code, topk_outlier_mask
+from kvbench.quant.rope import apply_rope, invert_rope
+
+THETA = 100000.0
+SHAPE = ModelShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=THETA)
+REAL_CONFIG = Path.home() / ".cache" / "kvbench" / "models" / "smollm2-135m" / "config.json"
+
+
+def _real_llama_config():
+    from transformers import LlamaConfig
+
+    if REAL_CONFIG.is_file():
+        return LlamaConfig(**json.loads(REAL_CONFIG.read_text()))
+    # SmolLM2-135M's attention geometry and RoPE
+    return LlamaConfig(
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rope_parameters={"rope_type": "default", "rope_theta": THETA},
+    )
+
+
+# -- RoPE ------------------------------------------------------------------------------------------
+
+
+def test_rope_hand_case_two_channels():
+    # D = 2: one frequency w = 1, so position p turns (a, b) by p radians
+    x = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    out = apply_rope(x, torch.tensor([1, 2]), theta=10.0)
+    expected = torch.tensor([[math.cos(1), math.sin(1)], [-2 * math.sin(2), 2 * math.cos(2)]])
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_rope_round_trip():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 40, 64)
+    pos = torch.arange(1000, 1040)
+    assert torch.allclose(invert_rope(apply_rope(x, pos, THETA), pos, THETA), x, atol=1e-5)
+    assert torch.allclose(apply_rope(invert_rope(x, pos, THETA), pos, THETA), x, atol=1e-5)
+
+
+def test_rope_equals_transformers_on_the_real_config():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = _real_llama_config()
+    theta = config.rope_parameters["rope_theta"]
+    assert config.rope_parameters.get("rope_type", "default") == "default" and theta == THETA
+    torch.manual_seed(1)
+    q, k = torch.randn(2, 1, 3, 30, 64).unbind(0)
+    pos = torch.arange(500, 530)
+    cos, sin = LlamaRotaryEmbedding(config)(k, pos[None])
+    _, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.allclose(apply_rope(k, pos, theta), k_ref, atol=1e-5)
+    assert torch.allclose(invert_rope(k_ref, pos, theta), k, atol=1e-5)
+
+
+# -- dense-and-sparse outliers --------------------------------------------------------------------
+
+
+def test_topk_outlier_mask_keeps_the_largest_magnitudes_per_vector():
+    x = torch.tensor([[0.1, -5.0, 0.2, 3.0, 0.0, 1.0, -0.5, 0.3], [9.0, 0.0, 0.0, -0.1, 0.0, 0.0, 0.0, -8.0]])
+    mask = topk_outlier_mask(x, 0.25)  # ceil(0.25 * 8) = 2 per vector
+    expected = torch.zeros_like(x, dtype=torch.bool)
+    expected[0, [1, 3]] = True
+    expected[1, [0, 7]] = True
+    assert torch.equal(mask, expected)
+    assert topk_outlier_mask(torch.randn(3, 64), 0.01).sum(-1).tolist() == [1, 1, 1]  # ceil(0.64)
+    assert not topk_outlier_mask(x, 0.0).any()
+
+
+def test_value_outliers_are_exact_and_excluded_from_the_range():
+    torch.manual_seed(2)
+    x = torch.randn(1, 2, 5, 16).half().float()  # fp16-representable, so fp16 outliers are exact
+    x[0, 1, 3, 7] = 40.0
+    store = DenseSparseTokens(4, torch.linspace(-1, 1, 4), fraction=0.1)  # ceil(1.6) = 2 per token
+    store.append(x)
+    mask = topk_outlier_mask(x, 0.1)
+    assert mask.sum() == 2 * 10 and store.num_outliers() == 20
+    out = store.dequantize()
+    assert torch.equal(out[mask], x[mask])
+    # the range of token (1, 3) is that of its dense part: the 40 does not widen it
+    dense = x[0, 1, 3][~mask[0, 1, 3]]
+    assert store.scale[0, 1, 3, 0].item() == pytest.approx((dense.max() - dense.min()).item() / 2, rel=1e-3)
+    assert (out[~mask] - x[~mask]).abs().max() < 2.5
+
+
+def test_key_outliers_follow_the_calibrated_channel_thresholds():
+    scale = torch.ones(1, 4).half()
+    zero = torch.zeros(1, 4).half()
+    x = torch.tensor([[[[0.5, -1.5, 0.25, 3.0], [-0.5, 0.0, 1.0, -1.25]]]])  # [1, 1, 2, 4]
+    store = DenseSparseTokens(2, torch.tensor([-1.0, 1.0]), 0.01, (scale, zero))
+    store.append(x)
+    out = store.dequantize()
+    outside = x.abs() > 1
+    assert store.num_outliers() == 3
+    assert torch.equal(out[outside], x[outside])
+    # the rest is coded on the two signposts -1, +1 of [zero - scale, zero + scale]
+    assert torch.equal(out[~outside], torch.sign(x[~outside]) + (x[~outside] == 0) * -1.0)
+
+
+def test_channel_thresholds_are_the_tail_quantiles():
+    x = torch.arange(101.0)[:, None]  # one channel, 0..100
+    lo, hi = channel_thresholds(x, 0.1)
+    assert lo.item() == pytest.approx(5.0) and hi.item() == pytest.approx(95.0)
+    lo, hi = channel_thresholds(x, 0.0)
+    assert (lo.item(), hi.item()) == (0.0, 100.0)
+
+
+# -- nuq -------------------------------------------------------------------------------------------
+
+
+def test_kmeans_codebook_is_the_fixed_point_of_a_hand_case():
+    values = torch.tensor([-1.0, -0.8, 0.7, 0.9, 1.0])
+    c = kmeans_1d(values, 2)
+    assert torch.allclose(c, torch.tensor([-0.9, 2.6 / 3]))
+    # fixed point: every signpost is the mean of the values nearest to it
+    q = nearest_code(values, c).long()
+    for i in range(2):
+        assert c[i].item() == pytest.approx(values[q == i].mean().item())
+
+
+def test_nuq_beats_uniform_on_a_skewed_distribution():
+    torch.manual_seed(3)
+    v = torch.randn(4000).clamp(-3, 3) / 3
+    errs = {}
+    for name, c in {"nuq": kmeans_1d(v, 4), "uniform": torch.linspace(-1, 1, 4)}.items():
+        errs[name] = ((c[nearest_code(v, c).long()] - v) ** 2).mean().item()
+    assert errs["nuq"] < 0.7 * errs["uniform"]
+
+
+# -- the layer -------------------------------------------------------------------------------------
+
+
+def _fill(node, k, v, prefill):
+    method = build_method(node)
+    method.config.check_model(SHAPE)
+    cache = method.new_cache(SHAPE, torch.float32)
+    cache.update(k[:, :, :prefill], v[:, :, :prefill], 0)
+    for t in range(prefill, k.shape[-2]):
+        cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+    return method, cache
+
+
+def _roped_keys(n, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    # pre-RoPE keys with strong per-channel offsets, as in real models (outlier channels)
+    pre = 4 * torch.randn(1, 2, 1, 64, generator=gen) + 0.3 * torch.randn(1, 2, n, 64, generator=gen)
+    return pre, apply_rope(pre, torch.arange(n), THETA)
+
+
+def test_pre_rope_positions_include_the_sink():
+    _, k = _roped_keys(30)
+    v = torch.randn(1, 2, 30, 64)
+    node = {"name": "kvquant", "bits": 8, "calibrate": False, "datatype": "uniform"}
+    _, cache = _fill(node, k, v, 20)
+    stored_k, _ = cache.layers[0].read()
+    assert (stored_k - k).norm() / k.norm() < 5e-3  # wrong positions would turn keys by radians
+
+
+def test_pre_rope_quantization_beats_post_rope_on_channel_outliers():
+    _, k = _roped_keys(200)
+    v = torch.randn(1, 2, 200, 64)
+    errs = {}
+    for pre_rope in (True, False):
+        node = {"name": "kvquant", "bits": 2, "calibrate": False, "pre_rope": pre_rope}
+        _, cache = _fill(node, k, v, 150)
+        errs[pre_rope] = ((cache.layers[0].read()[0] - k).norm() / k.norm()).item()
+    assert errs[True] < 0.5 * errs[False]
+
+
+def test_ablation_switches_change_what_is_stored():
+    torch.manual_seed(5)
+    k, v = torch.randn(2, 1, 2, 40, 64).unbind(0)
+    base = {"name": "kvquant", "bits": 2, "calibrate": False}
+    held = {}
+    for label, extra in {
+        "base": {},
+        "uniform": {"datatype": "uniform"},
+        "dense": {"outlier_fraction": 0},
+        "nosink": {"sink": False},
+        "postrope": {"pre_rope": False},
+    }.items():
+        method, cache = _fill({**base, **extra}, k, v, 30)
+        held[label] = (method, cache.layers[0].held_tensors(), cache)
+    assert {"codes", "sparse", "scales", "zeros", "codebook", "sink"} <= set(held["base"][1])
+    assert "codebook" not in held["uniform"][1]
+    assert held["dense"][1]["sparse"] == []
+    assert "sink" not in held["nosink"][1] and held["nosink"][0].config.sink_tokens == 0
+    assert held["base"][0].config.sink_tokens == 1
+    assert not torch.equal(held["base"][1]["codes"][0], held["postrope"][1]["codes"][0])
+    assert not torch.equal(held["base"][1]["codes"][0], held["uniform"][1]["codes"][0])
+
+
+def test_calibrated_ranges_are_used_for_every_key():
+    torch.manual_seed(6)
+    cal = LayerCalibration(
+        key_scale=torch.full((2, 64), 0.5).half(),
+        key_zero=torch.full((2, 64), 0.25).half(),
+        key_codebook=torch.linspace(-1, 1, 4),
+        value_codebook=torch.linspace(-1, 1, 4),
+    )
+    method = build_method({"name": "kvquant", "bits": 2, "pre_rope": False, "outlier_fraction": 0})
+    method.calibration = [cal]
+    cache = method.new_cache(SHAPE, torch.float32)
+    k = torch.randn(1, 2, 10, 64)
+    cache.update(k, torch.randn(1, 2, 10, 64), 0)
+    stored_k, _ = cache.layers[0].read()
+    # sink token first; every other key is clamped into [-0.25, 0.75] and lands on its grid
+    grid = torch.linspace(-1, 1, 4).half().float() * 0.5 + 0.25  # the codebook is held in fp16
+    assert torch.allclose(stored_k[:, :, 1:], grid[(stored_k[:, :, 1:, :, None] - grid).abs().argmin(-1)])
+    assert stored_k[:, :, 1:].min() >= -0.25 and stored_k[:, :, 1:].max() <= 0.75
+    # calibrate=true without prepare has nothing to use
+    fresh = build_method({"name": "kvquant", "bits": 2, "pre_rope": False}).new_cache(SHAPE, torch.float32)
+    with pytest.raises(RuntimeError, match="prepare"):
+        fresh.update(k, k, 0)
+
+
+def test_accounting_counts_codes_sparse_scales_and_codebook():
+    torch.manual_seed(7)
+    k, v = torch.randn(2, 1, 2, 41, 64).unbind(0)
+    node = {"name": "kvquant", "bits": 2, "calibrate": False, "pre_rope": False}
+    _, cache = _fill(node, k, v, 31)
+    layer = cache.layers[0].inner
+    report = memory_report(cache.layers)
+    t = 40  # one token in the sink
+    n_out = layer.kq.num_outliers() + layer.vq.num_outliers()
+    assert layer.vq.num_outliers() == 2 * t  # ceil(0.01 * 64) = 1 per value token and head
+    assert report.bytes_by_component == {
+        "codes": 2 * (2 * t * 16),  # 2-bit codes: 64 channels in 16 bytes
+        "sparse": n_out * (4 + 2 + 2),  # int32 token, int16 (head, channel), fp16 value
+        "scales": 2 * (2 * t) + 2 * (2 * 64),  # fp16 per value token + per key channel
+        "zeros": 2 * (2 * t) + 2 * (2 * 64),
+        "codebook": 2 * (4 + 4),
+        "sink": 2 * (2 * 64) * 2,
+    }
+    assert report.quantized_values == 2 * 2 * t * 64
+    assert report.nominal_code_bits == 2.0
+
+
+# -- calibration through prepare -------------------------------------------------------------------
+
+
+class _ByteTokenizer:
+    def __call__(self, text, return_tensors="pt"):
+        class Out:
+            input_ids = torch.tensor([list(text.encode())]) % 100
+
+        return Out()
+
+
+def test_prepare_calibrates_from_pre_rope_k_proj_outputs(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": THETA},
+    )
+    torch.manual_seed(8)
+    model = LlamaForCausalLM(config).eval()
+    (tmp_path / "wikitext2").mkdir()
+    (tmp_path / "wikitext2" / "wiki.test.raw").write_text(
+        "The quick brown fox jumps over the lazy dog. " * 20
+    )
+    shape = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=THETA)
+    method = build_method({"name": "kvquant", "bits": 2, "calibration_tokens": 80, "outlier_fraction": 0})
+    method.prepare(model, _ByteTokenizer(), shape, tmp_path)
+    ids = _ByteTokenizer()("The quick brown fox jumps over the lazy dog. " * 20).input_ids[:, :80]
+    with torch.no_grad():
+        h = model.model.embed_tokens(ids)
+        x = model.model.layers[0].input_layernorm(h)
+        keys = model.model.layers[0].self_attn.k_proj(x).reshape(80, 2, 16)[1:]  # the sink left out
+    cal = method.calibration[0]
+    assert torch.equal(cal.key_zero, ((keys.amax(0) + keys.amin(0)) / 2).half())
+    assert torch.equal(cal.key_scale, ((keys.amax(0) - keys.amin(0)) / 2).half())
+    assert len(method.calibration) == 2 and cal.key_codebook.shape == (4,)
+    assert torch.equal(cal.key_codebook, cal.key_codebook.half().float())
+    # a missing calibration file names the data root
+    with pytest.raises(ConfigError, match="data.root"):
+        method.prepare(model, _ByteTokenizer(), shape, tmp_path / "nowhere")
+    # other RoPE types are rejected
+    model.config.rope_parameters = {"rope_type": "yarn", "rope_theta": THETA, "factor": 2.0}
+    with pytest.raises(ConfigError, match="method.pre_rope"):
+        method.prepare(model, _ByteTokenizer(), shape, tmp_path)
+
+
+def test_calibrate_layer_excludes_outliers_from_the_codebook_values():
+    torch.manual_seed(9)
+    keys = torch.randn(200, 1, 8)
+    values = torch.randn(200, 1, 8)
+    cal = calibrate_layer(keys, values, 4, 4, 0.02, "nuq")
+    assert cal.key_codebook.min() >= -1 and cal.key_codebook.max() <= 1
+    assert torch.all(cal.key_codebook[1:] > cal.key_codebook[:-1])
+
+
+# -- config errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"datatype": "int"}, "method.datatype"),
+        ({"outlier_fraction": 0.7}, "method.outlier_fraction"),
+        ({"outlier_fraction": "1%"}, "method.outlier_fraction"),
+        ({"sensitivity_weighted": True}, "method.sensitivity_weighted"),
+        ({"calibration_tokens": 0}, "method.calibration_tokens"),
+        ({"pre_rope": "yes"}, "method.pre_rope"),
+        ({"backend": "triton"}, "method.backend"),
+        ({"key_bits": 2.5}, "method.key_bits"),
+        ({"group_size": 32}, "method.group_size"),
+    ],
+)
+def test_bad_config_names_the_key(extra, key):
+    with pytest.raises(ConfigError) as err:
+        build_method({"name": "kvquant", "bits": 2, **extra})
+    assert err.value.key == key
+
+
+def test_pre_rope_needs_rope_theta():
+    method = build_method({"name": "kvquant", "bits": 2})
+    with pytest.raises(ConfigError) as err:
+        method.config.check_model(ModelShape(num_layers=1, num_heads=2, num_kv_heads=2, head_dim=64))
+    assert err.value.key == "method.pre_rope"
