@@ -10,6 +10,8 @@ Definitions (per run, summed over layers, keys and values together):
 - ``effective_bits``: ``8 * total_bytes / n_values`` (codes, scales, zeros, residual windows,
   sinks, outliers: everything).
 - ``compression``: FP16 bytes of the same tokens over total bytes.
+- ``read_bits``: for methods that read less than they hold (ReadKV), payload bits read per stored
+  value per decode query; None for methods that read everything they hold.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class MemoryReport:
     quantized_values: int
     bytes_by_component: dict[str, int] = field(default_factory=dict)
     nominal_code_bits_sum: float = 0.0
+    read_bits_sum: int = 0
+    read_values: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -53,12 +57,17 @@ class MemoryReport:
         return self.nominal_code_bits_sum / self.quantized_values if self.quantized_values else float("nan")
 
     @property
+    def read_bits(self) -> float | None:
+        return self.read_bits_sum / self.read_values if self.read_values else None
+
+    @property
     def compression(self) -> float:
         return self.fp16_bytes / self.total_bytes if self.total_bytes else float("nan")
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.pop("nominal_code_bits_sum")
+        for internal in ("nominal_code_bits_sum", "read_bits_sum", "read_values"):
+            d.pop(internal)
         d.update(
             total_bytes=self.total_bytes,
             fp16_bytes=self.fp16_bytes,
@@ -66,6 +75,7 @@ class MemoryReport:
             code_bits=self.code_bits,
             nominal_code_bits=self.nominal_code_bits,
             compression=self.compression,
+            read_bits=self.read_bits,
             quantized_fraction=self.quantized_values / self.n_values if self.n_values else 0.0,
         )
         return d
@@ -81,6 +91,9 @@ def memory_report(layers: list[KVLayer]) -> MemoryReport:
         report.n_values += 2 * layer.batch_size * layer.num_kv_heads * layer.num_tokens * layer.head_dim
         report.quantized_values += layer.quantized_values()
         report.nominal_code_bits_sum += layer.nominal_code_bits()
+        read_bits, read_values = layer.read_stats()
+        report.read_bits_sum += read_bits
+        report.read_values += read_values
         for component, tensors in layer.held_tensors().items():
             report.bytes_by_component[component] = report.bytes_by_component.get(component, 0) + tensor_bytes(
                 tensors

@@ -55,6 +55,11 @@ class KVLayer(CacheLayerMixin):
         nominal (unpacked) code width."""
         return 0.0
 
+    def read_stats(self) -> tuple[int, int]:
+        """(payload bits read, stored values that could have been read) by decode queries, for
+        methods that read less than they store (ReadKV); others read everything: (0, 0)."""
+        return 0, 0
+
     # -- transformers' CacheLayerMixin ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device

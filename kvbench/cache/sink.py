@@ -60,5 +60,8 @@ class SinkLayer(KVLayer):
     def quantized_values(self):
         return self.inner.quantized_values()
 
+    def read_stats(self):
+        return self.inner.read_stats()
+
     def nominal_code_bits(self):
         return self.inner.nominal_code_bits()

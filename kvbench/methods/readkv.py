@@ -287,6 +287,9 @@ class ReadKVLayer(KVLayer):
         """Mean payload bits read per stored value per query, over this layer's decode reads."""
         return self.read_bits_total / self.read_values_total if self.read_values_total else None
 
+    def read_stats(self):
+        return self.read_bits_total, self.read_values_total
+
     def held_tensors(self):
         residual = {"residual": self.k_buf.tensors() + self.v_buf.tensors()}
         return merge_held(self.kq.held_tensors(), self.vq.held_tensors(), residual)
@@ -296,14 +299,6 @@ class ReadKVLayer(KVLayer):
 
     def nominal_code_bits(self):
         return self.kq.nominal_code_bits() + self.vq.nominal_code_bits()
-
-
-def read_bits_per_value(layers) -> float | None:
-    """Method-agnostic: mean read bits per value over the layers that count reads (a
-    ``read_bits_total``/``read_values_total`` pair), or None if none does."""
-    total = sum(getattr(layer, "read_bits_total", 0) for layer in layers)
-    values = sum(getattr(layer, "read_values_total", 0) for layer in layers)
-    return total / values if values else None
 
 
 @register_method("readkv")

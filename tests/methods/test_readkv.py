@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvbench.cache import memory_report
 from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape, build_method
 from kvbench.methods.readkv import budgets, grouped_codes, query_adaptive_attention
@@ -121,6 +122,9 @@ def test_decode_reads_the_budget():
         keys, values = layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
         layer.attend(SimpleNamespace(scaling=0.125), torch.randn(1, 4, 1, 64), keys, values, None)
     assert layer.read_bits_per_value() == 3.0  # 3 * 64 = 192 key bits/token, 3 * 96 * 2 value bits/channel
+    report = memory_report([layer])
+    assert report.read_bits == 3.0 and report.to_dict()["read_bits"] == 3.0  # reaches every sample row
+    assert report.effective_bits > 8.0  # retained bits are the stored 8-bit codes plus params
 
 
 def test_four_of_eight_beats_stored_four_bits():
