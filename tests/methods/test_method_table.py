@@ -21,6 +21,9 @@ METHOD_TABLE = {
     "kvquant": ({"name": "kvquant", "bits": 2, "calibrate": False, "pre_rope": False}, True, 0.6),
     # 6 stored bits: 8 + fp16 params (1 bit at G = 32) would not fit the shared < FP16/2 check
     "readkv": ({"name": "readkv", "bits": 6, "read_bits": 3}, True, 0.2),
+    # key_norm is scored at append time, so the prefill is allocated without after_forward;
+    # the 40 decode tokens stay pending (under one 64-token chunk)
+    "semkv": ({"name": "semkv", "metric": "key_norm"}, True, 0.5),
 }
 
 SHAPE = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)

@@ -1,0 +1,556 @@
+"""``semkv``: SemKV (Lee, Kim, Kim, "SemKV: Quality-Cliff-Guided Semantic Mixed-Precision KV Cache
+Quantization for Long-Context LLM Inference", arXiv 2608.28911).
+
+Full-token retention with token-wise two-level mixed precision. Every stored token's key and value
+head vectors are quantized per token at one of two level counts on the fractional bit grid,
+``L_hi`` (default 6, 2.585 bits) or ``L_lo`` (default 5, 2.322 bits), both above the measured
+quality cliff. The top fraction
+
+    p = (b_target - log2 L_lo) / (log2 L_hi - log2 L_lo)
+
+of tokens by an importance metric get ``L_hi``; the default target 2.39 bits (p = 0.259) is the
+paper's working point. The count per allocation unit is ``round(p n)`` with the remainder carried
+across units (:mod:`kvbench.quant.mixed`), so the realized mean of log2 L over the stored tokens
+is ``round(p N)``-exact for every prefix.
+
+Importance metrics (``metric``), higher = more important = higher precision:
+
+- hidden state (per layer, one ranking shared by the layer's kv heads): ``hidden_norm`` = ||h_in||
+  of the decoder layer's input hidden state at the token; ``hidden_change`` = ||h_out - h_in||.
+  Read by forward hooks on the decoder layers registered in :meth:`SemKV.prepare`.
+- KV (per layer and kv head): ``key_norm`` = ||k|| (post-RoPE), ``value_norm`` = ||v||.
+- logit (model level, the same ranking in every layer): ``entropy`` = -sum_v p_i(v) log p_i(v) of
+  the next-token distribution at position i; ``surprisal`` = -log p(x_i | x_<i), from the logits of
+  position i - 1 (the previous forward's last position for the first token of a forward; the very
+  first token of a sequence has no prediction and gets +inf, i.e. it is always high).
+- attention (per layer and kv head): ``attn_sum`` = sum over the queries that have seen the token
+  (all query heads of its kv-head group, every query position of every forward while the token is
+  pending) of its softmax weight; ``attn_max`` = the max of those weights. Computed in
+  :meth:`SemKVLayer.attend` for the pending tokens only, in chunks of ``query_chunk`` queries.
+- ``random``: uniform scores from a generator seeded by (``seed``, layer): the control.
+
+Delayed allocation (chunk-wise): new tokens are held in ``fp_dtype`` (``residual`` bytes, their
+scores ``scores`` bytes) until scored. The first forward that stores tokens (the prefill) is
+allocated as one unit once scored; afterwards pending tokens are allocated in units of ``chunk``
+tokens as soon as ``chunk`` of them are pending (generated tokens, later turns), and fewer than
+``chunk`` stay in full precision. KV and random scores exist at append time, so those layers
+allocate inside ``append`` (also when driven through ``cache.update`` alone); hidden, logit and
+attention scores are complete only after the forward, so :meth:`SemKV.after_forward` hands them
+over and allocates.
+
+Storage (``held_tensors``): per K/V one store per level count (``codes`` packed per token along
+channels, :mod:`kvbench.quant.packing`), the base quantizer's parameters, and the allocation map
+(``index``: one bit per token and kv head, packed, shared by K and V). Base quantizers (``base``):
+
+- ``uniform`` (default): the affine per-token quantizer of :mod:`kvbench.quant.affine` with
+  ``group_size`` channels per scale/zero pair (default: the whole head, G = head_dim; with fp16
+  parameters that is 32 / head_dim bits per value: 0.25 at head_dim 128, which with the index bit
+  (1 / (2 head_dim)) reproduces the paper's 2.39 nominal code bits -> ~2.65 effective bits; the
+  packed bytes held here cost 8/3 bits per code for both L = 5 and 6 (3 codes per byte), which
+  ``effective_bits`` reports as they are);
+- ``turboquant``: TurboQuant-MSE (:mod:`kvbench.methods.turboquant`: per-vector fp16 norm, seeded
+  rotation per (layer, kv head), Lloyd-Max codebook of L levels); ``seeds`` is one int64 per layer.
+
+``bits`` (the run's top-level knob) is the target average when ``target_bits`` is unset.
+Only the torch backend exists; attention metrics need the layer's own ``attend``, which a
+``sink_tokens`` wrapper bypasses, so that combination is rejected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbench.cache import KVLayer
+from kvbench.cache.fp import FullPrecisionTokens
+from kvbench.cache.layer import cat_tokens
+from kvbench.cache.quantized import QuantizedTokens
+from kvbench.config import check_choice, require
+from kvbench.errors import ConfigError
+from kvbench.methods.base import Method, MethodConfig, check_group, register_method
+from kvbench.methods.turboquant import RotatedCodes, head_seed
+from kvbench.quant.lloyd_max import lloyd_max_codebook, random_rotation
+from kvbench.quant.mixed import (
+    RunningAllocator,
+    high_fraction,
+    merge_by_mask,
+    pack_mask,
+    split_by_mask,
+    top_k_mask,
+    unpack_mask,
+)
+
+HIDDEN_METRICS = ("hidden_norm", "hidden_change")
+KV_METRICS = ("key_norm", "value_norm")
+LOGIT_METRICS = ("entropy", "surprisal")
+ATTENTION_METRICS = ("attn_sum", "attn_max")
+METRICS = (*HIDDEN_METRICS, *KV_METRICS, *LOGIT_METRICS, *ATTENTION_METRICS, "random")
+APPEND_TIME_METRICS = (*KV_METRICS, "random")  # scored from what append receives
+BASES = ("uniform", "turboquant")
+LOGIT_CHUNK = 256  # positions per log-softmax when scoring logits (bounds memory at large vocab)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass
+class SemKVConfig(MethodConfig):
+    name: str = "semkv"
+    target_bits: float | None = None  # null: bits (default 2.39)
+    high_levels: int = 6
+    low_levels: int = 5
+    metric: str = "key_norm"
+    chunk: int = 64
+    base: str = "uniform"
+    group_size: int | None = None  # uniform base: channels per scale/zero (null: head_dim)
+    seed: int = 0
+    query_chunk: int = 128
+
+    default_bits: ClassVar[float] = 2.39
+
+    def __post_init__(self):
+        if self.backend == "triton":
+            raise ConfigError("method.backend", self.backend, "only torch is implemented for semkv")
+        super().__post_init__()
+        for key in ("high_levels", "low_levels"):
+            value = getattr(self, key)
+            require(
+                _positive_int(value) and 2 <= value <= 256,
+                f"method.{key}",
+                value,
+                "an integer level count 2..256",
+            )
+        require(
+            self.low_levels < self.high_levels,
+            "method.low_levels",
+            self.low_levels,
+            f"fewer levels than method.high_levels={self.high_levels}",
+        )
+        key = "method.target_bits" if self.target_bits is not None else "bits"
+        target = self.target_bits if self.target_bits is not None else self.bits
+        lo, hi = math.log2(self.low_levels), math.log2(self.high_levels)
+        allowed = (
+            f"an average code width in [log2 {self.low_levels}, log2 {self.high_levels}]"
+            f" = [{lo:.4f}, {hi:.4f}]"
+        )
+        require(isinstance(target, (int, float)) and not isinstance(target, bool), key, target, allowed)
+        try:
+            high_fraction(float(target), self.low_levels, self.high_levels)
+        except ValueError:
+            raise ConfigError(key, target, allowed) from None
+        self.target_bits = self.bits = float(target)
+        check_choice("method.metric", self.metric, METRICS)
+        check_choice("method.base", self.base, BASES)
+        require(_positive_int(self.chunk), "method.chunk", self.chunk, "a positive token count")
+        require(
+            _positive_int(self.query_chunk), "method.query_chunk", self.query_chunk, "a positive query count"
+        )
+        require(
+            isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**63,
+            "method.seed",
+            self.seed,
+            "a non-negative integer",
+        )
+        if self.base == "turboquant":
+            require(
+                self.group_size is None,
+                "method.group_size",
+                self.group_size,
+                "null with base=turboquant (it quantizes whole head vectors)",
+            )
+        if self.metric in ATTENTION_METRICS:
+            require(
+                self.sink_tokens == 0,
+                "method.sink_tokens",
+                self.sink_tokens,
+                f"0 with metric={self.metric}: not implemented"
+                " (the sink wrapper bypasses the layer's attend)",
+            )
+
+    @property
+    def high_fraction(self) -> float:
+        return high_fraction(self.target_bits, self.low_levels, self.high_levels)
+
+    def check_model(self, shape):
+        check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")
+
+
+def _seed(*parts) -> int:
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+# -- base quantizer stores -------------------------------------------------------------------------
+class AffineStore:
+    """Tokens of one level count under the affine per-token quantizer."""
+
+    def __init__(self, levels: int, group_size: int | None):
+        self.q = QuantizedTokens(levels, "token", group_size)
+        self.levels = levels
+
+    def append(self, x: torch.Tensor) -> None:
+        self.q.append(x)
+
+    def dequantize(self) -> torch.Tensor | None:
+        return self.q.dequantize() if len(self.q) else None
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return self.q.held_tensors()
+
+    def quantized_values(self) -> int:
+        return self.q.quantized_values()
+
+    def nominal_code_bits(self) -> float:
+        return self.q.nominal_code_bits()
+
+
+class RotatedStore:
+    """Tokens of one level count under TurboQuant-MSE; ``rotations`` are the layer's, per kv head."""
+
+    def __init__(self, levels: int, layer: SemKVLayer):
+        self.q = RotatedCodes(levels)
+        self.levels, self.layer = levels, layer
+        self.centroids: torch.Tensor | None = None
+
+    def _codebook(self, dim: int, device) -> torch.Tensor:
+        if self.centroids is None:
+            c, _ = lloyd_max_codebook(self.levels, dim)
+            self.centroids = torch.tensor(c, dtype=torch.float32, device=device)
+        return self.centroids
+
+    def append(self, x: torch.Tensor) -> None:
+        self.q.append(x, self.layer.rotations(x), self._codebook(x.shape[-1], x.device))
+
+    def dequantize(self) -> torch.Tensor | None:
+        if not len(self.q):
+            return None
+        return self.q.dequantize(self.layer.rotations(), self.centroids)
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        codes, norms = self.q.tensors()
+        return {"codes": codes, "norms": norms}
+
+    def quantized_values(self) -> int:
+        return self.q.quantized_values()
+
+    def nominal_code_bits(self) -> float:
+        return self.q.nominal_code_bits()
+
+
+# -- the layer --------------------------------------------------------------------------------------
+class SemKVLayer(KVLayer):
+    def __init__(self, layer_idx: int, cfg: SemKVConfig, fp_dtype: torch.dtype):
+        super().__init__(layer_idx)
+        self.cfg = cfg
+        self.metric = cfg.metric
+        self.k_pend, self.v_pend = FullPrecisionTokens(fp_dtype), FullPrecisionTokens(fp_dtype)
+        self.scores: torch.Tensor | None = None  # float32 [B, H_kv or 1, scored pending tokens]
+        self.unscored = 0  # pending tokens whose scores arrive after the forward
+        self.allocator = RunningAllocator(cfg.high_fraction)
+        self.started = False  # the first unit (the prefill) has been allocated
+        self.masks: list[torch.Tensor] = []  # packed allocation maps, one per unit
+        self.unit_sizes: list[int] = []
+        self._rotations: torch.Tensor | None = None
+        self._generator: torch.Generator | None = None
+        if cfg.base == "uniform":
+            make = lambda levels: AffineStore(levels, cfg.group_size)  # noqa: E731
+        else:
+            make = lambda levels: RotatedStore(levels, self)  # noqa: E731
+            self.seed_tensor = torch.tensor([cfg.seed], dtype=torch.int64)
+        self.stores = {kv: (make(cfg.high_levels), make(cfg.low_levels)) for kv in ("k", "v")}
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def rotations(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        if self._rotations is None:
+            heads, dim = x.shape[1], x.shape[-1]
+            self._rotations = torch.stack(
+                [
+                    random_rotation(dim, head_seed(self.cfg.seed, self.layer_idx, h), x.device)
+                    for h in range(heads)
+                ]
+            )
+        return self._rotations
+
+    def pending(self) -> int:
+        return len(self.k_pend)
+
+    def allocated_tokens(self) -> int:
+        return sum(self.unit_sizes)
+
+    def _append_scores(self, s: torch.Tensor) -> None:
+        s = s.float()  # one layout per metric: [B, H_kv, t] (KV, attention, random) or [B, 1, t]
+        self.scores = s if self.scores is None else torch.cat([self.scores, s], dim=-1)
+
+    def _append_time_scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if self.metric == "key_norm":
+            return keys.float().norm(dim=-1)
+        if self.metric == "value_norm":
+            return values.float().norm(dim=-1)
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(_seed("semkv", self.cfg.seed, self.layer_idx))
+        b, h, t, _ = keys.shape
+        return torch.rand(b, h, t, generator=self._generator).to(keys.device)
+
+    # -- storage ----------------------------------------------------------------------------------
+    def append(self, keys, values):
+        self.k_pend.append(keys)
+        self.v_pend.append(values)
+        b, h, t, _ = keys.shape
+        if self.metric in APPEND_TIME_METRICS:
+            self._append_scores(self._append_time_scores(keys, values))
+            self.allocate()
+        elif self.metric in ATTENTION_METRICS:
+            self._append_scores(torch.zeros(b, h, t, device=keys.device))  # filled in attend
+        else:
+            self.unscored += t
+
+    def add_scores(self, scores: torch.Tensor) -> None:
+        """Scores ``[B, t]`` (or ``[B, H_kv, t]``) of a whole forward's tokens; the last
+        ``unscored`` of them are this layer's pending tokens (a sink may have taken the first)."""
+        if not self.unscored:
+            return
+        if scores.dim() == 2:
+            scores = scores[:, None]
+        if scores.shape[-1] < self.unscored:
+            raise RuntimeError(
+                f"semkv layer {self.layer_idx}: {self.unscored} tokens await scores, got {scores.shape[-1]}"
+            )
+        self._append_scores(scores[..., scores.shape[-1] - self.unscored :])
+        self.unscored = 0
+
+    def allocate(self) -> None:
+        """Quantize the pending tokens that are due: the whole prefill, then whole chunks."""
+        if self.unscored:
+            raise RuntimeError(f"semkv layer {self.layer_idx}: {self.unscored} pending tokens have no scores")
+        n = self.pending()
+        if not n:
+            return
+        if not self.started:
+            self.started = True
+            self._allocate_unit(n)
+            return
+        for _ in range(n // self.cfg.chunk):
+            self._allocate_unit(self.cfg.chunk)
+
+    def _allocate_unit(self, n: int) -> None:
+        k = self.allocator.take(n)
+        b, h = self.k_pend.data.shape[:2]
+        mask = top_k_mask(self.scores[..., :n].expand(b, h, n), k)
+        self.scores = self.scores[..., n:] if self.scores.shape[-1] > n else None
+        for kv, x in (("k", self.k_pend.pop_front(n)), ("v", self.v_pend.pop_front(n))):
+            high, low = split_by_mask(x, mask)
+            self.stores[kv][0].append(high)
+            self.stores[kv][1].append(low)
+        self.masks.append(pack_mask(mask))
+        self.unit_sizes.append(n)
+
+    def allocation_mask(self) -> torch.Tensor | None:
+        """bool ``[B, H_kv, allocated tokens]``: True where the token holds the higher level count."""
+        if not self.masks:
+            return None
+        return torch.cat([unpack_mask(m, n) for m, n in zip(self.masks, self.unit_sizes, strict=True)], -1)
+
+    def read(self):
+        mask = self.allocation_mask()
+        out = []
+        for kv, pend in (("k", self.k_pend), ("v", self.v_pend)):
+            stored = None
+            if mask is not None:
+                high, low = self.stores[kv]
+                stored = merge_by_mask(mask, high.dequantize(), low.dequantize())
+            out.append(cat_tokens(stored, pend.data))
+        return out[0], out[1]
+
+    # -- attention metrics ------------------------------------------------------------------------
+    def attend(self, module, query, keys, values, attention_mask, **kwargs):
+        if self.metric in ATTENTION_METRICS and self.scores is not None:
+            scaling = kwargs.get("scaling") or module.scaling
+            self._score_attention(query, keys, attention_mask, scaling)
+        return super().attend(module, query, keys, values, attention_mask, **kwargs)
+
+    @torch.no_grad()
+    def _score_attention(self, query, keys, attention_mask, scaling) -> None:
+        self.scores = attention_update(
+            self.scores, query, keys, attention_mask, scaling, self.metric, self.cfg.query_chunk
+        )
+
+    # -- accounting -------------------------------------------------------------------------------
+    def held_tensors(self):
+        held: dict[str, list[torch.Tensor]] = {}
+        for high, low in self.stores.values():
+            for store in (high, low):
+                for component, tensors in store.held_tensors().items():
+                    held.setdefault(component, []).extend(tensors)
+        held["index"] = list(self.masks)
+        held["residual"] = self.k_pend.tensors() + self.v_pend.tensors()
+        held["scores"] = [] if self.scores is None else [self.scores]
+        if self.cfg.base == "turboquant":
+            held["seeds"] = [self.seed_tensor] if self._rotations is not None else []
+        return held
+
+    def quantized_values(self):
+        return sum(s.quantized_values() for pair in self.stores.values() for s in pair)
+
+    def nominal_code_bits(self):
+        return sum(s.nominal_code_bits() for pair in self.stores.values() for s in pair)
+
+
+def attention_update(
+    scores: torch.Tensor,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    metric: str,
+    query_chunk: int,
+) -> torch.Tensor:
+    """Accumulate the attention the last ``P = scores.shape[-1]`` keys receive from ``query``.
+
+    ``scores [B, H_kv, P]``, ``query [B, H, q, D]``, ``keys [B, H_kv, kv, D]``; query head
+    ``g * rep + r`` reads kv head g. Weights are softmax(q k^T * scaling + mask) over all ``kv`` keys,
+    computed ``query_chunk`` queries at a time; ``attn_sum`` adds them over the group's query heads
+    and positions, ``attn_max`` takes their max. A boolean mask is True where attention is allowed;
+    no mask means causal with the queries as the last ``q`` positions."""
+    b, h, q, d = query.shape
+    hk, kv = keys.shape[1], keys.shape[-2]
+    p = scores.shape[-1]
+    rep = h // hk
+    qf = query.float().reshape(b, hk, rep, q, d)
+    kf = keys.float()
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask[..., :kv]
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, -math.inf)
+        mask = mask.float()
+        mask = mask.reshape(mask.shape[0], hk, rep, q, kv) if mask.shape[1] == h else mask[:, :, None]
+    out = scores.clone()
+    for s in range(0, q, query_chunk):
+        e = min(s + query_chunk, q)
+        logits = torch.einsum("bgrqd,bgkd->bgrqk", qf[:, :, :, s:e], kf) * scaling
+        if mask is not None:
+            logits = logits + mask[:, :, :, s:e]
+        elif q > 1:
+            pos = torch.arange(s, e, device=logits.device)[:, None] + (kv - q)
+            causal = torch.arange(kv, device=logits.device)[None, :] > pos
+            logits = logits.masked_fill(causal, -math.inf)
+        w = torch.nan_to_num(torch.softmax(logits, dim=-1)[..., kv - p :], nan=0.0)
+        if metric == "attn_sum":
+            out = out + w.sum(dim=(2, 3))
+        else:
+            out = torch.maximum(out, w.amax(dim=(2, 3)))
+    return out
+
+
+def logit_scores(
+    metric: str, logits: torch.Tensor, input_ids: torch.Tensor, prev_logprobs: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``scores [B, t]``, last position's log-probabilities ``[B, vocab]``) for ``logits [B, t, V]``.
+
+    ``entropy``: -sum_v p_i(v) log p_i(v). ``surprisal``: -log p_{i-1}(x_i), with ``prev_logprobs``
+    (the previous forward's last position) for i = 0, and +inf when there is none."""
+    b, t, _ = logits.shape
+    ids = input_ids.to(logits.device).long()
+    scores = torch.empty(b, t, device=logits.device)
+    last = None
+    for s in range(0, t, LOGIT_CHUNK):
+        e = min(s + LOGIT_CHUNK, t)
+        logp = torch.log_softmax(logits[:, s:e].float(), dim=-1)
+        if metric == "entropy":
+            scores[:, s:e] = -(logp.exp() * logp).sum(-1)
+        else:
+            # position i predicts token i + 1
+            nxt = ids[:, s + 1 : e + 1]
+            nll = -logp[:, : nxt.shape[1]].gather(-1, nxt[..., None])[..., 0]
+            scores[:, s + 1 : s + 1 + nxt.shape[1]] = nll
+        if e == t:
+            last = logp[:, -1]
+    if metric == "surprisal":
+        if prev_logprobs is None:
+            scores[:, 0] = math.inf
+        else:
+            scores[:, 0] = -prev_logprobs.gather(-1, ids[:, :1])[:, 0]
+    return scores, last
+
+
+def semkv_layers(cache) -> list[SemKVLayer]:
+    """The SemKV layers of a cache, looking through sink wrappers."""
+    out = []
+    for layer in cache.layers:
+        layer = getattr(layer, "inner", layer)
+        if isinstance(layer, SemKVLayer):
+            out.append(layer)
+    return out
+
+
+def decoder_layers(model, num_layers: int) -> list[torch.nn.Module]:
+    mods = [m for name, m in model.named_modules() if re.fullmatch(r"(.*\.)?layers\.\d+", name)]
+    if len(mods) != num_layers:
+        raise ConfigError(
+            "method.metric", "hidden", f"found {len(mods)} decoder layers for {num_layers} layers"
+        )
+    return mods
+
+
+@register_method("semkv")
+class SemKV(Method):
+    Config = SemKVConfig
+
+    def __init__(self, config: SemKVConfig):
+        super().__init__(config)
+        self.hidden_scores: dict[int, torch.Tensor] = {}  # layer -> [B, t], from the last forward
+        self.hooks: list = []
+
+    def make_layer(self, layer_idx, shape, model_dtype):
+        return SemKVLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+
+    def prepare(self, model, tokenizer, shape, data_root) -> None:
+        if self.config.metric not in HIDDEN_METRICS:
+            return
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = [
+            mod.register_forward_hook(self._hidden_hook(i), with_kwargs=True)
+            for i, mod in enumerate(decoder_layers(model, shape.num_layers))
+        ]
+
+    def _hidden_hook(self, idx: int):
+        def hook(_module, args, kwargs, output):
+            h_in = args[0] if args else kwargs["hidden_states"]
+            h_out = output[0] if isinstance(output, (tuple, list)) else output
+            h_in = h_in.detach().float()
+            x = h_in if self.config.metric == "hidden_norm" else h_out.detach().float() - h_in
+            self.hidden_scores[idx] = x.norm(dim=-1)
+
+        return hook
+
+    def after_forward(self, cache, input_ids, logits) -> None:
+        layers = semkv_layers(cache)
+        metric = self.config.metric
+        if metric in LOGIT_METRICS:
+            prev = getattr(cache, "semkv_last_logprobs", None)
+            scores, cache.semkv_last_logprobs = logit_scores(metric, logits, input_ids, prev)
+            for layer in layers:
+                layer.add_scores(scores)
+        elif metric in HIDDEN_METRICS:
+            for layer in layers:
+                if layer.unscored:
+                    if layer.layer_idx not in self.hidden_scores:
+                        raise RuntimeError(
+                            f"semkv: no hidden states for layer {layer.layer_idx} (no prepare?)"
+                        )
+                    layer.add_scores(self.hidden_scores[layer.layer_idx])
+            self.hidden_scores.clear()
+        for layer in layers:
+            layer.allocate()
+
+    def base_label(self) -> str:
+        c = self.config
+        base = "" if c.base == "uniform" else f"-{c.base}"
+        return f"semkv-{c.target_bits:g}b-L{c.low_levels}-{c.high_levels}-{c.metric}{base}"
