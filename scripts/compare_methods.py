@@ -56,6 +56,25 @@ def configurations() -> list[tuple[str, dict]]:
         rows.append((f"turboquant-{bits}", {"name": "turboquant", "bits": bits}))
         if bits > 1:
             rows.append((f"kvquant-{bits}", {"name": "kvquant", "bits": bits}))
+    # ablations the papers' orderings need
+    rows.append(("uniform-4", {"name": "uniform", "bits": 4}))
+    rows.append(("kivi-4", {"name": "kivi", "bits": 4}))
+    rows.append(("kvquant-2-post_rope", {"name": "kvquant", "bits": 2, "pre_rope": False}))
+    rows.append(("kvquant-2-no_outliers", {"name": "kvquant", "bits": 2, "outlier_fraction": 0.0}))
+    rows.append(("kvquant-2-no_sink", {"name": "kvquant", "bits": 2, "sink": False}))
+    rows.append(
+        (
+            "kvquant-2-no_outliers_no_sink",
+            {"name": "kvquant", "bits": 2, "outlier_fraction": 0.0, "sink": False},
+        )
+    )
+    rows.append(("semkv-2.39-key_norm", {"name": "semkv", "target_bits": 2.39, "metric": "key_norm"}))
+    rows.append(
+        ("uniform-2.322 (5 levels, per-token G=64)", {"name": "uniform", "bits": 2.322, "group_size": 64})
+    )
+    rows.append(
+        ("uniform-2.585 (6 levels, per-token G=64)", {"name": "uniform", "bits": 2.585, "group_size": 64})
+    )
     rows.append(("readkv-8store-4read", {"name": "readkv", "bits": 8, "read_bits": 4}))
     rows.append(("readkv-8store-2read", {"name": "readkv", "bits": 8, "read_bits": 2}))
     return [(label, node) for label, node in rows if node["name"] in METHODS]
