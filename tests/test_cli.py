@@ -66,3 +66,28 @@ def test_multirun_sweep_writes_one_folder_per_point(tmp_path):
     folders = sorted(p.parent.parent.name for p in tmp_path.glob("niah/smollm2-135m/*/*/metrics.json"))
     assert folders == ["kivi-2b", "kivi-4b", "uniform-2b", "uniform-4b"]
     assert proc.stdout.count("eff_bits") == 4  # each job prints its summary table
+
+
+def test_submitit_local_sweep_runs_each_point(tmp_path):
+    proc = run_cli(
+        "-m",
+        "hydra/launcher=submitit_local",
+        "+method=uniform",
+        "bits=2,4",
+        "task.context_lengths=[300]",
+        "task.depths=[50]",
+        "task.max_new_tokens=2",
+        f"output.root={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    folders = sorted(p.parent.parent.name for p in tmp_path.glob("niah/smollm2-135m/*/*/metrics.json"))
+    assert folders == ["uniform-2b", "uniform-4b"]
+
+
+def test_slurm_launcher_node_composes(tmp_path):
+    proc = run_cli(
+        "hydra/launcher=slurm", "hydra.launcher.partition=gpu", f"output.root={tmp_path}", "--cfg", "hydra"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "SlurmLauncher" in proc.stdout and "partition: gpu" in proc.stdout
+    assert "array_parallelism: 32" in proc.stdout
