@@ -42,6 +42,16 @@ def build_config(cls: type[C], node: Mapping[str, Any] | None, prefix: str) -> C
     return cls(**data)
 
 
+def is_int(x: Any) -> bool:
+    """An integer that is not a bool (YAML ``true`` must not pass as 1)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x: Any) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def require(condition: bool, key: str, value: Any, allowed: str) -> None:
     """Validation one-liner for ``__post_init__``."""
     if not condition:

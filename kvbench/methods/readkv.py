@@ -57,19 +57,11 @@ from kvbench.cache import KVLayer
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens, merge_held
 from kvbench.cache.quantized import QuantizedTokens
-from kvbench.config import require
+from kvbench.config import is_int, is_number, require
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
 from kvbench.methods.ott import additive_mask
 from kvbench.quant.packing import unpack
 from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
@@ -98,26 +90,26 @@ class ReadKVConfig(MethodConfig):
         if self.read_bits is None:
             self.read_bits = min(4.0, self.bits)
         require(
-            _is_number(self.read_bits) and 0 < self.read_bits <= self.bits,
+            is_number(self.read_bits) and 0 < self.read_bits <= self.bits,
             "method.read_bits",
             self.read_bits,
             f"mean bits read per value: a number in (0, method.bits={self.bits:g}]",
         )
         self.read_bits = float(self.read_bits)
         require(
-            _is_int(self.group_size) and self.group_size > 0,
+            is_int(self.group_size) and self.group_size > 0,
             "method.group_size",
             self.group_size,
             "a positive integer (tokens per key group, channels per value group)",
         )
         require(
-            _is_int(self.residual) and self.residual >= 0,
+            is_int(self.residual) and self.residual >= 0,
             "method.residual",
             self.residual,
             "a non-negative integer: newest tokens kept in full precision",
         )
         require(
-            _is_number(self.key_share) and 0 <= self.key_share <= 1,
+            is_number(self.key_share) and 0 <= self.key_share <= 1,
             "method.key_share",
             self.key_share,
             "the fraction of the read budget spent on keys, in [0, 1]",

@@ -70,7 +70,7 @@ from kvbench.cache import KVLayer
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens
 from kvbench.cache.quantized import QuantizedTokens
-from kvbench.config import check_choice, require
+from kvbench.config import check_choice, is_int, is_number, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
 from kvbench.methods.turboquant import RotatedCodes, head_seed
@@ -96,7 +96,7 @@ LOGIT_CHUNK = 256  # positions per log-softmax when scoring logits (bounds memor
 
 
 def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return is_int(value) and value > 0
 
 
 @dataclass
@@ -139,7 +139,7 @@ class SemKVConfig(MethodConfig):
             f"an average code width in [log2 {self.low_levels}, log2 {self.high_levels}]"
             f" = [{lo:.4f}, {hi:.4f}]"
         )
-        require(isinstance(target, (int, float)) and not isinstance(target, bool), key, target, allowed)
+        require(is_number(target), key, target, allowed)
         try:
             high_fraction(float(target), self.low_levels, self.high_levels)
         except ValueError:
@@ -152,7 +152,7 @@ class SemKVConfig(MethodConfig):
             _positive_int(self.query_chunk), "method.query_chunk", self.query_chunk, "a positive query count"
         )
         require(
-            isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**63,
+            is_int(self.seed) and 0 <= self.seed < 2**63,
             "method.seed",
             self.seed,
             "a non-negative integer",

@@ -44,7 +44,7 @@ import torch
 from kvbench.cache import KVLayer
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens
-from kvbench.config import require
+from kvbench.config import is_int, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, register_method
 from kvbench.quant.lloyd_max import lloyd_max_codebook, quantize_scalar, random_rotation
@@ -68,13 +68,13 @@ class TurboQuantConfig(MethodConfig):
             raise ConfigError("method.backend", self.backend, "only torch is implemented for turboquant")
         super().__post_init__()
         require(
-            isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**63,
+            is_int(self.seed) and 0 <= self.seed < 2**63,
             "method.seed",
             self.seed,
             "a non-negative integer (the rotation seed)",
         )
         require(
-            isinstance(self.residual, int) and not isinstance(self.residual, bool) and self.residual >= 0,
+            is_int(self.residual) and self.residual >= 0,
             "method.residual",
             self.residual,
             "a non-negative token count (0: no full-precision window)",

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvbench.config import require
+from kvbench.config import is_int, is_number, require
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
 
@@ -131,7 +131,7 @@ class NIAHConfig(TaskConfig):
         require(len(set(lengths)) == len(lengths), "task.context_lengths", lengths, "no repeated lengths")
         depths = _as_list(self.depths)
         require(
-            bool(depths) and all(_number(d) and 0 <= d <= 100 for d in depths),
+            bool(depths) and all(is_number(d) and 0 <= d <= 100 for d in depths),
             "task.depths",
             self.depths,
             "a non-empty list of percentages, each in 0..100",
@@ -146,15 +146,11 @@ def _as_list(x: Any) -> list | None:
 
 
 def _int_at_least(x: Any, lowest: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= lowest
+    return is_int(x) and x >= lowest
 
 
 def _positive_int(x: Any) -> bool:
     return _int_at_least(x, 1)
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def sample_id(length: int, depth: float) -> str:

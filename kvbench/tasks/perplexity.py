@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvbench.config import check_choice, require
+from kvbench.config import check_choice, is_int, require
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
 
@@ -126,7 +126,7 @@ class PerplexityConfig(TaskConfig):
         require(self.pg19_book.isdigit(), "task.pg19_book", self.pg19_book, "a Project Gutenberg book number")
         for key in ("context_length", "continuation_length", "windows", "chunk"):
             value = getattr(self, key)
-            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            ok = is_int(value) and value > 0
             require(ok, f"task.{key}", value, "a positive int")
 
 
