@@ -18,16 +18,34 @@ from typing import Any
 
 # Keys that say where things are, not what is computed: left out of the run id.
 PATH_KEYS = {"output", "data", "hydra", "logger"}
+# The experiment's pre-declared analysis plan: stored in config.json, but it changes no sample, so
+# one run serves every experiment whose plan reads it.
+NON_RUN_KEYS = PATH_KEYS | {"analysis"}
 
 
 def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
+def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
+    """What the run id hashes: the resolved config minus paths, loggers and the analysis plan.
+
+    The top-level ``bits`` reaches a method only through its node (``bits: ${bits}``, or a knob
+    such as ReadKV's ``read_bits: ${bits}``), and the config is resolved before hashing, so every
+    effect of ``bits`` is already in the method node. A node without a ``bits`` key (the FP16
+    baseline; no ``method`` at all is the FP16 baseline too) therefore drops the top-level value:
+    ``fp16`` inside a bit-width sweep is one run, not one per bit width.
+    """
+    core = {k: v for k, v in config.items() if k not in NON_RUN_KEYS}
+    method = core.get("method") or {"name": "fp16"}
+    if "bits" not in method:
+        core.pop("bits", None)
+    return core
+
+
 def run_id(config: dict[str, Any]) -> str:
-    """Hash of the resolved config minus paths and loggers: the same experiment gets the same folder."""
-    core = {k: v for k, v in config.items() if k not in PATH_KEYS}
-    return hashlib.sha256(canonical_json(core).encode()).hexdigest()[:12]
+    """Hash of :func:`canonical_config`: the same computation gets the same folder."""
+    return hashlib.sha256(canonical_json(canonical_config(config)).encode()).hexdigest()[:12]
 
 
 def _clean(obj: Any) -> Any:

@@ -69,6 +69,40 @@ def test_truncated_last_line_is_dropped(tmp_path):
 
 
 def test_run_id_ignores_paths_but_not_knobs():
-    base = {"model": {"name": "m"}, "task": {"name": "niah"}, "bits": 2, "output": {"root": "a"}}
+    base = {
+        "model": {"name": "m"},
+        "task": {"name": "niah"},
+        "bits": 2,
+        "method": {"name": "kivi", "bits": 2},
+        "output": {"root": "a"},
+    }
     assert run_id(base) == run_id({**base, "output": {"root": "b"}, "data": {"root": "/x"}})
-    assert run_id(base) != run_id({**base, "bits": 3})
+    assert run_id(base) != run_id({**base, "bits": 3, "method": {"name": "kivi", "bits": 3}})
+    assert run_id(base) != run_id({**base, "task": {"name": "niah", "version": 2}})
+
+
+def test_run_id_ignores_the_analysis_plan():
+    base = {
+        "model": {"name": "m"},
+        "task": {"name": "niah"},
+        "bits": 2,
+        "method": {"name": "uniform", "bits": 2},
+    }
+    plan = {"name": "semkv_cliff", "alpha": 0.05, "margin": 0.05, "n": 3, "seeds": [0, 1, 2]}
+    assert run_id(base) == run_id({**base, "analysis": plan})
+    assert run_id(base) == run_id({**base, "analysis": {**plan, "alpha": 0.1}})
+
+
+def test_fp16_gets_one_run_id_whatever_the_top_level_bits():
+    fp16 = {"name": "fp16", "fp_dtype": "float16", "sink_tokens": 0}
+    base = {"model": {"name": "m"}, "task": {"name": "niah"}, "method": fp16}
+    ids = {run_id({**base, "bits": b}) for b in (1, 1.585, 2, 4, None)}
+    assert len(ids) == 1
+    # no method at all is the FP16 baseline as well
+    bare = {"model": {"name": "m"}, "task": {"name": "niah"}}
+    assert run_id({**bare, "bits": 1}) == run_id({**bare, "bits": 4})
+    # a method that reads bits keeps them in the id
+    uniform = {**base, "method": {"name": "uniform", "bits": 2.0}}
+    assert run_id({**uniform, "bits": 2}) != run_id(
+        {**uniform, "bits": 3, "method": {"name": "uniform", "bits": 3.0}}
+    )
