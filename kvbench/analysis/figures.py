@@ -1,0 +1,157 @@
+"""Report figures (matplotlib): cliff map and memory against quality; the NIAH
+heatmap and the hit-rate curves come from ``kvbench.analysis.niah`` and ``kvbench.analysis.hitrate``.
+
+Every function returns a ``matplotlib.figure.Figure`` and never calls ``plt.show``, so notebooks
+display it and the report saves it. The module leaves the backend alone (notebooks use their
+inline one); ``python -m kvbench.report`` selects Agg before importing it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from kvbench.analysis.tables import cliff_table
+
+
+def _errorbar(ax, x, mean, low, high, **kwargs):
+    """Error bars from an interval (matplotlib wants distances from the mean, never negative)."""
+    mean, low, high = (np.asarray(v, dtype=float) for v in (mean, low, high))
+    yerr = np.vstack([np.clip(mean - low, 0, None), np.clip(high - mean, 0, None)])
+    yerr = np.nan_to_num(yerr)
+    return ax.errorbar(x, mean, yerr=yerr, capsize=3, **kwargs)
+
+
+def cliff_map(
+    means: pd.DataFrame,
+    paired: pd.DataFrame,
+    reference: str = "fp16",
+    metric: str = "score",
+    title: str | None = None,
+) -> Figure:
+    """Score against code bits for every method family with a bit grid, with ``1 - alpha``
+    bootstrap intervals; the reference's mean and interval as a horizontal band; each family's
+    cliff bracket (``locate_cliff`` on the paired verdicts) shaded between the first bad and the
+    last ok bit width; the runaway rate on a second y axis (dashed).
+
+    ``means`` is ``config_means`` output, ``paired`` is ``paired_table`` output for the same frame.
+    """
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    twin = ax.twinx()
+    grid = means.dropna(subset=["bits"])
+    cliffs = cliff_table(paired).set_index("family") if not paired.empty else pd.DataFrame()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (family, group) in enumerate(grid.groupby("family", sort=True)):
+        group = group.sort_values("bits")
+        color = colors[i % len(colors)]
+        _errorbar(
+            ax,
+            group["bits"],
+            group["mean"],
+            group["ci_low"],
+            group["ci_high"],
+            marker="o",
+            color=color,
+            label=family,
+        )
+        if group["runaway_rate"].notna().any():
+            twin.plot(group["bits"], group["runaway_rate"], ls="--", marker="x", color=color, alpha=0.7)
+        if family in cliffs.index and cliffs.loc[family, "interval"] is not None:
+            lo, hi = cliffs.loc[family, "first_bad_bits"], cliffs.loc[family, "last_ok_bits"]
+            ax.axvspan(lo, hi, color=color, alpha=0.12)
+            ax.annotate(
+                f"cliff {cliffs.loc[family, 'interval']}",
+                xy=((lo + hi) / 2, 0.02),
+                xycoords=("data", "axes fraction"),
+                ha="center",
+                fontsize=8,
+                color=color,
+            )
+    ref = means[means["method"] == reference]
+    if not ref.empty:
+        r = ref.iloc[0]
+        ax.axhline(r["mean"], color="black", lw=1, label=f"{reference} (reference)")
+        if not (math.isnan(r["ci_low"]) or math.isnan(r["ci_high"])):
+            ax.axhspan(r["ci_low"], r["ci_high"], color="black", alpha=0.08)
+    ax.set_xlabel("code bits per value")
+    ax.set_ylabel(f"{metric} (mean, bootstrap CI)")
+    twin.set_ylabel("runaway rate (dashed)")
+    twin.set_ylim(-0.02, 1.02)
+    ax.legend(loc="center left", fontsize=8)
+    ax.set_title(title or f"Quality against bits: {metric}")
+    fig.tight_layout()
+    return fig
+
+
+def memory_quality(
+    means: pd.DataFrame, reference: str = "fp16", metric: str = "score", title: str | None = None
+) -> Figure:
+    """Mean score (with its interval) against effective bits per value (everything held, from the
+    per-sample accounting), one point per configuration, labelled; the reference as a line."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pts = means.dropna(subset=["effective_bits"])
+    for family, group in pts.groupby("family", sort=True):
+        group = group.sort_values("effective_bits")
+        _errorbar(
+            ax,
+            group["effective_bits"],
+            group["mean"],
+            group["ci_low"],
+            group["ci_high"],
+            marker="o",
+            ls="-" if len(group) > 1 else "none",
+            label=family,
+        )
+        for row in group.itertuples():
+            ax.annotate(
+                row.method,
+                (row.effective_bits, row.mean),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    ref = means[means["method"] == reference]
+    if not ref.empty:
+        ax.axhline(ref.iloc[0]["mean"], color="black", lw=1, ls=":", label=f"{reference} mean")
+    ax.set_xlabel("effective bits per value (all bytes held / values)")
+    ax.set_ylabel(f"{metric} (mean, bootstrap CI)")
+    ax.legend(fontsize=8)
+    ax.set_title(title or "Memory against quality")
+    fig.tight_layout()
+    return fig
+
+
+# Figures owned by the NIAH and hit-rate code: (module, function). Each takes the sample frame.
+OPTIONAL_FIGURES: dict[str, tuple[str, str]] = {
+    "niah_heatmap": ("kvbench.analysis.niah", "niah_heatmap"),
+    "hitrate_curves": ("kvbench.analysis.hitrate", "hitrate_curves"),
+}
+
+
+def optional_figure(name: str) -> Callable[[pd.DataFrame], Figure] | None:
+    """The figure function ``name`` from its owning module, or None when that module or function
+    does not exist (yet) in this checkout."""
+    module_name, func_name = OPTIONAL_FIGURES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise
+        return None
+    return getattr(module, func_name, None)
+
+
+def save(fig: Figure, path: str | Path, dpi: int = 120) -> Path:
+    """Write ``fig`` as PNG and close it (figures stay open in pyplot's registry otherwise)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path

@@ -1,0 +1,199 @@
+"""Every stored sample of every run under a folder, as one pandas DataFrame.
+
+One row per (run, sample): the run's identity (run id, folder, task, model, method label, method
+name, bits, seed), the experiment's analysis plan (``config.json``'s ``analysis`` block, if any),
+the per-sample scores, the generation fields the runaway rate needs (prediction, stopped,
+generated tokens, the task's ``max_new_tokens``) and the per-sample memory accounting flattened
+(``effective_bits``, ``code_bits``, ...). A run folder is any folder holding ``config.json`` and
+``samples.jsonl``; ``metrics.json`` is optional (an unfinished run contributes its finished rows
+and ``finished`` is False).
+
+The same (task, model, method label, seed) can be stored under several run ids when a config
+changed in a way the label does not show (a new knob with its default value, for example).
+Pairing needs one row per (sample_id, seed) per method, so ``load_frame`` keeps, for each such
+key, the run with the most samples and, among equals, the most recently written one; the others
+are listed in ``frame.attrs["superseded"]`` so a report can say what it left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kvbench.results import RunFolder
+
+# The plan's keys (see the experiment nodes' ``analysis:`` block) and their defaults.
+PLAN_DEFAULTS: dict[str, Any] = {
+    "name": None,
+    "reference": "fp16",
+    "metric": None,  # None: the task's primary metric
+    "alpha": 0.05,
+    "margin": None,  # None: no equivalence margin declared, so no TOST
+    "n": None,
+    "seeds": None,
+    "grid": None,
+    "grid_key": "bits",
+}
+
+# Metrics where a smaller value is the better one; every other metric is higher-is-better.
+LOWER_IS_BETTER = {"ppl", "nll_mean", "nll", "loss", "perplexity", "error", "rel_error"}
+
+IDENTITY_COLUMNS = [
+    "run_id",
+    "experiment",
+    "task",
+    "model",
+    "method",
+    "method_name",
+    "bits",
+    "seed",
+    "sample_id",
+]
+
+# Row fields that are bookkeeping, not scores.
+_NOT_METRICS = {
+    "sample_id",
+    "seed",
+    "task",
+    "model",
+    "method",
+    "bits",
+    "prediction",
+    "stopped",
+    "generated_tokens",
+    "memory",
+    "seconds",
+    "prefill_s",
+    "decode_s",
+    "prompt_tokens",
+}
+
+
+def higher_is_better(metric: str) -> bool:
+    """Whether a larger value of ``metric`` is better (False for perplexity, nll and errors)."""
+    return metric not in LOWER_IS_BETTER
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _run_rows(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows of one run folder and a summary of the run (for de-duplication)."""
+    config = _read_json(folder / "config.json") or {}
+    metrics = _read_json(folder / "metrics.json")
+    rows = RunFolder(folder).rows() if (folder / "samples.jsonl").exists() else []
+    method_cfg = config.get("method") or {"name": "fp16"}
+    task_cfg = config.get("task") or {}
+    plan = {**PLAN_DEFAULTS, **(config.get("analysis") or {})}
+    run_id = config.get("run_id") or (metrics or {}).get("run_id") or folder.name
+    primary = (metrics or {}).get("primary_metric")
+    out = []
+    for row in rows:
+        memory = row.get("memory") or {}
+        bits = row.get("bits", method_cfg.get("bits", config.get("bits")))
+        record = {
+            "run_id": run_id,
+            "experiment": plan["name"],
+            "task": row.get("task") or task_cfg.get("name"),
+            "model": row.get("model") or (config.get("model") or {}).get("name"),
+            "method": row.get("method") or (metrics or {}).get("method") or method_cfg.get("name"),
+            "method_name": method_cfg.get("name", "fp16"),
+            "bits": float(bits) if _is_number(bits) else math.nan,
+            "seed": int(row.get("seed", config.get("seed", 0))),
+            "sample_id": str(row["sample_id"]),
+            "primary_metric": primary,
+            "prediction": row.get("prediction"),
+            "stopped": row.get("stopped"),
+            "generated_tokens": row.get("generated_tokens"),
+            "max_new_tokens": task_cfg.get("max_new_tokens"),
+            "finished": metrics is not None,
+            "folder": str(folder),
+        }
+        for key, value in row.items():
+            if key not in _NOT_METRICS and key not in record and (_is_number(value) or value is None):
+                record[key] = math.nan if value is None else value
+            elif key not in _NOT_METRICS and key not in record and isinstance(value, dict):
+                # Nested per-sample results (e.g. hit rates by policy) stay as objects for their owners.
+                record[key] = value
+        for key, value in memory.items():
+            if _is_number(value) or value is None:
+                record[key] = math.nan if value is None else value
+        for key, value in plan.items():
+            record[f"plan_{key}"] = value
+        out.append(record)
+    samples_path = folder / "samples.jsonl"
+    summary = {
+        "folder": str(folder),
+        "n_rows": len(out),
+        "mtime": samples_path.stat().st_mtime if samples_path.exists() else 0.0,
+    }
+    return out, summary
+
+
+def run_folders(root: str | Path) -> list[Path]:
+    """Every run folder (holding ``config.json``) under ``root``, sorted; ``root`` itself included."""
+    root = Path(root)
+    return sorted({p.parent for p in root.rglob("config.json") if (p.parent / "samples.jsonl").exists()})
+
+
+def load_frame(root: str | Path) -> pd.DataFrame:
+    """One row per sample per run under ``root`` (see the module docstring); empty if none.
+
+    Rows are sorted by task, model, method, seed and sample id. ``frame.attrs["superseded"]``
+    lists the folders left out because a fuller or newer run of the same configuration exists.
+    """
+    by_key: dict[tuple, list[tuple[list, dict]]] = {}
+    for folder in run_folders(root):
+        rows, summary = _run_rows(folder)
+        if not rows:
+            continue
+        first = rows[0]
+        key = (first["task"], first["model"], first["method"], first["seed"], first["experiment"])
+        by_key.setdefault(key, []).append((rows, summary))
+    kept, superseded = [], []
+    for candidates in by_key.values():
+        candidates.sort(key=lambda c: (c[1]["n_rows"], c[1]["mtime"]), reverse=True)
+        kept.extend(candidates[0][0])
+        superseded.extend(c[1]["folder"] for c in candidates[1:])
+    frame = pd.DataFrame(kept)
+    if not frame.empty:
+        frame = frame.sort_values(["task", "model", "method", "seed", "sample_id"], kind="stable")
+        frame = frame.reset_index(drop=True)
+    frame.attrs["superseded"] = sorted(superseded)
+    return frame
+
+
+def plan_of(frame: pd.DataFrame) -> dict[str, Any]:
+    """The analysis plan of a frame's runs: the declared one when every run carries the same plan,
+    else the defaults; ``metric`` falls back to the task's primary metric."""
+    plan = dict(PLAN_DEFAULTS)
+    columns = [c for c in frame.columns if c.startswith("plan_")]
+    for column in columns:
+        values = {json.dumps(v, sort_keys=True, default=str) for v in frame[column]}
+        if len(values) == 1:
+            plan[column.removeprefix("plan_")] = frame[column].iloc[0]
+    if plan["metric"] is None and "primary_metric" in frame:
+        primaries = frame["primary_metric"].dropna().unique()
+        plan["metric"] = primaries[0] if len(primaries) else None
+    return plan
+
+
+def groups(frame: pd.DataFrame) -> list[tuple[tuple[str, str, str | None], pd.DataFrame]]:
+    """The frame split into analysis units: one per (task, model, experiment), each with its own
+    reference and plan. ``experiment`` is None for runs made outside an experiment node."""
+    experiment = frame["experiment"].map(lambda v: v if isinstance(v, str) else "")
+    out = []
+    for (task, model, name), sub in frame.assign(_experiment=experiment).groupby(
+        ["task", "model", "_experiment"], sort=True
+    ):
+        out.append(((task, model, name or None), sub.drop(columns="_experiment")))
+    return out

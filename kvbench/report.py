@@ -1,0 +1,232 @@
+"""``python -m kvbench.report DIR``: tables, statistics and figures from the runs stored under DIR.
+
+    python -m kvbench.report results/runs                 # -> results/runs/report/
+    python -m kvbench.report results/semkv_cliff --out /tmp/rep --resamples 2000
+    python -m kvbench.report --claims                     # the paper-claims table (results/claims.yaml)
+
+Every run under DIR (searched recursively) is read into one sample frame
+(``kvbench.analysis.frame.load_frame``) and split into analysis units, one per (task, model,
+experiment). Each unit follows its experiment's ``analysis`` plan from ``config.json`` (reference,
+metric, alpha, margin; defaults: fp16, the task's primary metric, 0.05, no margin) and gets, under
+``OUT/<task>_<model>[_<experiment>]/``:
+
+- ``means.md/.csv``: per configuration, mean with bootstrap CI, effective bits, runaway rate;
+- ``paired.md/.csv``: each configuration against the reference, paired by (sample_id, seed): mean
+  difference with paired-bootstrap CI, sign-flip p, Holm-adjusted p, TOST at the margin, McNemar
+  for binary metrics, verdict;
+- ``cliff.md/.csv``: the cliff bracket of each method family with a bit grid;
+- ``cliff_map.png``, ``memory_quality.png``, and for NIAH / PG19 hit-rate runs the heatmap /
+  hit-rate curves from ``kvbench.analysis.niah`` / ``kvbench.analysis.hitrate`` (skipped with a
+  note when those are not available).
+
+``OUT/report.md`` gathers the plan, every table and the figure list; ``OUT/samples.csv`` is the
+whole frame. Bad input (no such DIR, no runs in it) prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pandas as pd  # noqa: E402
+
+from kvbench.analysis import figures, tables  # noqa: E402
+from kvbench.analysis.frame import groups, load_frame, plan_of  # noqa: E402
+
+DEFAULT_CLAIMS = Path(__file__).resolve().parent.parent / "results" / "claims.yaml"
+
+
+class ReportError(Exception):
+    """Bad input to the report: printed as one line, exit status 2."""
+
+
+def _slug(*parts: Any) -> str:
+    return "_".join(re.sub(r"[^\w.-]+", "-", str(p)) for p in parts if p)
+
+
+def _write_table(table: pd.DataFrame, path_stem: Path) -> None:
+    table.to_csv(path_stem.with_suffix(".csv"), index=False)
+    path_stem.with_suffix(".md").write_text(tables.to_markdown(table))
+
+
+def _save_optional(name: str, frame: pd.DataFrame, folder: Path, say) -> list[Path]:
+    """Run an optional figure function (NIAH heatmap, hit-rate curves); a missing module or
+    function is a note, a failure inside it a warning: neither stops the report."""
+    func = figures.optional_figure(name)
+    module, func_name = figures.OPTIONAL_FIGURES[name]
+    if func is None:
+        say(f"note: {module}.{func_name} is not available; {name} skipped")
+        return []
+    try:
+        result = func(frame)
+    except Exception as err:  # another module's figure must not take the whole report down
+        say(f"warning: {module}.{func_name} failed ({type(err).__name__}: {err}); {name} skipped")
+        return []
+    figs = result if isinstance(result, (list, tuple)) else [result]
+    paths = []
+    for i, fig in enumerate(f for f in figs if f is not None):
+        stem = name if len(figs) == 1 else f"{name}_{i}"
+        paths.append(figures.save(fig, folder / f"{stem}.png"))
+    return paths
+
+
+def report_unit(
+    key: tuple[str, str, str | None],
+    frame: pd.DataFrame,
+    out: Path,
+    seed: int = 0,
+    n_resamples: int = 10_000,
+    say=print,
+) -> dict[str, Any]:
+    """Tables and figures of one (task, model, experiment) unit into ``out/<slug>/``."""
+    task, model, experiment = key
+    folder = out / _slug(task, model, experiment)
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = plan_of(frame)
+    metric = plan["metric"]
+    if metric not in frame.columns:
+        raise ReportError(f"analysis.metric={metric}: not a per-sample column of {task} runs")
+    means = tables.config_means(frame, metric, float(plan["alpha"]), n_resamples, seed)
+    _write_table(means, folder / "means")
+    notes = []
+    if (frame["method"] == plan["reference"]).any():
+        paired = tables.paired_table(frame, plan, seed=seed, n_resamples=n_resamples)
+    else:
+        paired = pd.DataFrame()
+        notes.append(f"no runs of the reference {plan['reference']!r}: no paired comparisons")
+    cliff = tables.cliff_table(paired)
+    _write_table(paired, folder / "paired")
+    _write_table(cliff, folder / "cliff")
+    figs = [
+        figures.save(
+            figures.cliff_map(means, paired, plan["reference"], metric, f"{task} / {model}"),
+            folder / "cliff_map.png",
+        ),
+        figures.save(
+            figures.memory_quality(means, plan["reference"], metric, f"{task} / {model}"),
+            folder / "memory_quality.png",
+        ),
+    ]
+    if task == "niah":
+        figs += _save_optional("niah_heatmap", frame, folder, say)
+    if task == "pg19_hitrate":
+        figs += _save_optional("hitrate_curves", frame, folder, say)
+    for note in notes:
+        say(f"note: {task}/{model}: {note}")
+    return {
+        "key": key,
+        "folder": folder,
+        "plan": plan,
+        "means": means,
+        "paired": paired,
+        "cliff": cliff,
+        "figures": figs,
+        "notes": notes,
+    }
+
+
+def _plan_lines(plan: dict[str, Any]) -> list[str]:
+    margin = plan["margin"]
+    return [
+        f"- reference: `{plan['reference']}`; metric: `{plan['metric']}`; alpha: {plan['alpha']}",
+        f"- TOST margin: {margin if margin is not None else 'not declared (no equivalence test)'}",
+        f"- declared n per seed: {plan['n']}; seeds: {plan['seeds']}",
+        f"- grid ({plan['grid_key']}): {plan['grid']}",
+    ]
+
+
+def build_report(
+    root: str | Path, out: str | Path | None = None, seed: int = 0, n_resamples: int = 10_000, say=print
+) -> dict[str, Any]:
+    """Read every run under ``root`` and write the report into ``out`` (default ``root/report``).
+    Returns the frame, the output folder and each unit's tables and figure paths."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ReportError(f"DIR={root}: no such directory")
+    frame = load_frame(root)
+    if frame.empty:
+        raise ReportError(f"DIR={root}: no runs found (no folder with config.json and samples.jsonl)")
+    out = Path(out) if out is not None else root / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    frame.drop(columns=[c for c in frame.columns if frame[c].map(type).eq(dict).any()]).to_csv(
+        out / "samples.csv", index=False
+    )
+    units = [report_unit(key, sub, out, seed, n_resamples, say) for key, sub in groups(frame)]
+
+    lines = [f"# Report: `{root}`", ""]
+    lines.append(f"{len(frame)} sample rows from {frame['run_id'].nunique()} runs.")
+    superseded = frame.attrs.get("superseded", [])
+    if superseded:
+        lines += ["", "Runs left out (a fuller or newer run of the same configuration exists):", ""]
+        lines += [f"- `{s}`" for s in superseded]
+    for unit in units:
+        task, model, experiment = unit["key"]
+        lines += ["", f"## {task} / {model}" + (f" / {experiment}" if experiment else ""), ""]
+        lines += _plan_lines(unit["plan"])
+        lines += [f"- note: {n}" for n in unit["notes"]]
+        hib = unit["paired"].attrs.get("higher_is_better", True)
+        orient = "method - reference" if hib else "reference - method (lower is better)"
+        for title, table in (
+            ("Per configuration", unit["means"]),
+            (f"Paired against the reference (difference = {orient}; positive = better)", unit["paired"]),
+            ("Cliff", unit["cliff"]),
+        ):
+            lines += ["", f"### {title}", "", tables.to_markdown(table).rstrip()]
+        lines += ["", "### Figures", ""]
+        lines += [f"- `{p.relative_to(out)}`" for p in unit["figures"]]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    return {"frame": frame, "out": out, "units": units}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvbench.report", description="Tables, statistics and figures from stored runs."
+    )
+    parser.add_argument(
+        "dir", nargs="?", metavar="DIR", help="folder holding run folders (searched recursively)"
+    )
+    parser.add_argument("--out", help="output folder (default: DIR/report)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and permutation resamples")
+    parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples per interval")
+    parser.add_argument("--claims", action="store_true", help="print the paper-claims table and exit")
+    parser.add_argument(
+        "--claims-file", default=str(DEFAULT_CLAIMS), help="claims YAML (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--wandb", action="store_true", help="also log the figures and tables to Weights & Biases"
+    )
+    args = parser.parse_args(argv)
+    try:
+        if args.claims:
+            from kvbench.analysis.claims import claims_table, load_claims
+
+            print(tables.to_markdown(claims_table(load_claims(args.claims_file))), end="")
+            return 0
+        if args.dir is None:
+            raise ReportError("DIR=(missing): give a folder of runs, or --claims")
+        if args.resamples < 1:
+            raise ReportError(f"--resamples={args.resamples}: must be a positive integer")
+        result = build_report(args.dir, args.out, args.seed, args.resamples)
+    except ReportError as err:
+        print(f"kvbench.report: error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:  # claims schema errors name the claim and field
+        print(f"kvbench.report: error: {err}", file=sys.stderr)
+        return 2
+    if args.wandb:
+        from kvbench.logger import log_report
+
+        log_report(result)
+    print(f"report: {result['out'] / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
