@@ -4,7 +4,11 @@
     python -m kvbench +method=kivi bits=2              # one method, one bit width
     python -m kvbench -m +method=uniform,kivi bits=2,4 # a sweep (Hydra multirun)
 
-User errors (unknown names, bad values, missing data) print one line naming the key and exit 2.
+    python -m kvbench -m +experiment=semkv_cliff      # an experiment node: its sweep and analysis plan
+
+User errors (unknown names, bad values, missing data) print one line naming the key and exit 2. An
+experiment whose methods or tasks are not available yet (no config node, or not registered) fails
+before anything runs, with one line naming what is missing.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kvbench.errors import ConfigError
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-CHECKED_GROUPS = ("model", "task", "method")
+CHECKED_GROUPS = ("model", "task", "method", "experiment")
+# Groups whose choices must also be registered in code (a node alone does not make a method run).
+REGISTERED_GROUPS = ("task", "method")
 
 
 def check_group_choices(argv: list[str]) -> None:
@@ -33,6 +39,81 @@ def check_group_choices(argv: list[str]) -> None:
         for choice in value.split(","):
             if choice not in known:
                 raise ConfigError(key, choice, f"known {key} nodes: {', '.join(known)}")
+
+
+def _group_choice(key: str) -> str | None:
+    """``'override /task'`` / ``'+method'`` / ``'method'`` -> the group name, if it is one we check."""
+    key = key.replace("override", "").strip().lstrip("+~/").strip()
+    return key if key in REGISTERED_GROUPS else None
+
+
+def _method_names_in(node) -> set[str]:
+    """Every ``name`` of a method node and of the method nodes nested in it (``base``,
+    ``matched_memory``, ...)."""
+    names = set()
+    if isinstance(node, dict):
+        if isinstance(node.get("name"), str):
+            names.add(node["name"])
+        for value in node.values():
+            names |= _method_names_in(value)
+    return names
+
+
+def experiment_requirements(node: dict) -> dict[str, set[str]]:
+    """The task and method names an experiment node uses: its defaults list, the ``method`` node
+    it sets, and the values of its sweep (``+method: a,b``, ``task: x``, ``method.base.name: y``)."""
+    needs: dict[str, set[str]] = {g: set() for g in REGISTERED_GROUPS}
+    for entry in node.get("defaults") or []:
+        if isinstance(entry, dict):
+            for key, value in entry.items():
+                group = _group_choice(str(key))
+                if group and isinstance(value, str):
+                    needs[group].add(value)
+    needs["method"] |= _method_names_in(node.get("method"))
+    params = ((node.get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+    for key, value in params.items():
+        key = str(key).lstrip("+~")
+        values = {v.strip() for v in str(value).split(",") if v.strip()}
+        if key in REGISTERED_GROUPS:
+            needs[key] |= values
+        elif key.startswith("method.") and key.endswith(".name"):
+            needs["method"] |= values
+    return needs
+
+
+def check_experiment(name: str) -> None:
+    """Fail with one line when experiment ``name`` uses a task or method that has no config node or is
+    not registered, or when its analysis plan is malformed."""
+    from kvbench.methods import METHODS
+    from kvbench.results import analysis_plan
+    from kvbench.tasks import TASKS
+
+    node = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "experiment" / f"{name}.yaml"))
+    registered = {"task": set(TASKS.names()), "method": set(METHODS.names())}
+    missing = []
+    for group, names in experiment_requirements(node).items():
+        for choice in sorted(names):
+            why = []
+            if not (Path(CONF_DIR) / group / f"{choice}.yaml").is_file():
+                why.append(f"no conf/{group}/{choice}.yaml")
+            if choice not in registered[group]:
+                why.append("not registered")
+            if why:
+                missing.append(f"{group} {choice!r} ({', '.join(why)})")
+    if missing:
+        raise ConfigError("experiment", name, f"needs what does not exist yet: {'; '.join(missing)}")
+    if "analysis" not in node:
+        raise ConfigError("experiment", name, "the node has no analysis: block (the pre-declared plan)")
+    analysis_plan(node["analysis"])
+
+
+def check_argv(argv: list[str]) -> None:
+    check_group_choices(argv)
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if sep and key == "experiment":
+            for choice in value.split(","):
+                check_experiment(choice)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
@@ -50,7 +131,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     try:
-        check_group_choices(sys.argv[1:])
+        check_argv(sys.argv[1:])
     except ConfigError as err:
         print(f"kvbench: error: {err}", file=sys.stderr)
         sys.exit(2)

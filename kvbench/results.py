@@ -13,8 +13,11 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvbench.config import is_int, is_number, require
 
 # Keys that say where things are, not what is computed: left out of the run id.
 PATH_KEYS = {"output", "data", "hydra", "logger"}
@@ -107,3 +110,72 @@ class RunFolder:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
+
+
+@dataclass
+class AnalysisPlan:
+    """An experiment's pre-declared analysis (the ``analysis:`` block of ``conf/experiment/*.yaml``).
+
+    ``reference`` is the method label of the reference runs; ``metric`` the per-sample column the
+    comparison reads; ``alpha`` the significance level of every test; ``margin`` the TOST equivalence
+    margin in metric units; ``n`` the samples per seed; ``seeds`` the run seeds; ``grid`` the ordered
+    values of ``grid_key`` (e.g. bits) along which a cliff is located, when the experiment has one.
+    """
+
+    name: str = ""
+    reference: str = "fp16"
+    metric: str = "score"
+    alpha: float = 0.05
+    margin: float = 0.1
+    n: int = 1
+    seeds: list[int] = field(default_factory=lambda: [0])
+    grid: list[float] | None = None
+    grid_key: str | None = None
+    notes: str | None = None
+
+    def __post_init__(self):
+        for key in ("name", "reference", "metric"):
+            value = getattr(self, key)
+            require(isinstance(value, str) and value != "", f"analysis.{key}", value, "a non-empty string")
+        require(
+            is_number(self.alpha) and 0 < self.alpha < 1, "analysis.alpha", self.alpha, "a number in (0, 1)"
+        )
+        require(
+            is_number(self.margin) and math.isfinite(self.margin) and self.margin > 0,
+            "analysis.margin",
+            self.margin,
+            "a positive number, in units of the metric",
+        )
+        require(is_int(self.n) and self.n > 0, "analysis.n", self.n, "a positive int (samples per seed)")
+        seeds = list(self.seeds) if isinstance(self.seeds, (list, tuple)) else None
+        require(
+            bool(seeds) and all(is_int(s) for s in seeds) and len(set(seeds)) == len(seeds),
+            "analysis.seeds",
+            self.seeds,
+            "a non-empty list of distinct ints",
+        )
+        self.seeds = seeds
+        if self.grid is not None:
+            grid = list(self.grid) if isinstance(self.grid, (list, tuple)) else None
+            require(
+                bool(grid)
+                and all(is_number(g) for g in grid)
+                and all(a < b for a, b in zip(grid, grid[1:], strict=False)),
+                "analysis.grid",
+                self.grid,
+                "a non-empty, strictly increasing list of numbers",
+            )
+            require(
+                isinstance(self.grid_key, str) and self.grid_key != "",
+                "analysis.grid_key",
+                self.grid_key,
+                "the config key the grid sweeps (e.g. bits)",
+            )
+            self.grid = grid
+
+
+def analysis_plan(node: Any) -> AnalysisPlan:
+    """Validated :class:`AnalysisPlan` from an ``analysis`` node (a dict or an OmegaConf node)."""
+    from kvbench.config import build_config
+
+    return build_config(AnalysisPlan, node, "analysis")

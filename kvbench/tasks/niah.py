@@ -1,8 +1,11 @@
 """``niah``: Greg Kamradt's Needle-in-a-Haystack, scored by key-phrase recall.
 
-The haystack is the Paul Graham essays (``<data_root>/niah/PaulGrahamEssays/*.txt``, sorted by file
-name, joined with blank lines, repeated when a context needs more tokens than they hold). For each
-(context length L, depth d) the document is built in tokens of the model's own tokenizer:
+The haystack is the Paul Graham essays (``<data_root>/niah/PaulGrahamEssays/*.txt``) joined with
+blank lines, repeated when a context needs more tokens than they hold. Their order is a shuffle
+seeded by the run's ``seed`` (``haystack_order: seeded``), so runs under different seeds read
+different text around the needle and multi-seed statistics rest on independent haystacks;
+``haystack_order: sorted`` keeps the file-name order for every seed. For each (context length L,
+depth d) the document is built in tokens of the model's own tokenizer:
 
 1. Take the first ``L - buffer - len(needle)`` haystack tokens (as Kamradt does, the needle counts
    inside the ``L - buffer`` budget; ``buffer`` leaves room for the chat template, the question and
@@ -13,6 +16,11 @@ name, joined with blank lines, repeated when a context needs more tokens than th
 3. Decode back to text and put it in the chat template: a short system instruction, then a user turn
    holding the document followed by the question, with the generation prompt appended.
 
+The grid is either the explicit ``context_lengths`` x ``depths`` lists (``grid: explicit``) or
+Kamradt's full grid (``grid: kamradt``): ``num_lengths`` context lengths evenly spaced from
+``min_length`` to ``max_length`` (the model's context by default) and ``num_depths`` depths evenly
+spaced over 0..100 %, each rounded to an integer as his harness does.
+
 Decoding is greedy. The score is the fraction of the needle's key phrases ("eat a sandwich",
 "Dolores Park", "sunny day") found in the answer, case-insensitively, in [0, 1]. There is no LLM
 judge, so the score is reproducible; it rewards an answer that names the facts, not one that is fluent.
@@ -20,14 +28,16 @@ judge, so the score is reproducible; it rewards an answer that names the facts, 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from kvbench.config import is_int, is_number, require
+from kvbench.config import check_choice, is_int, is_number, require
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
 
@@ -51,18 +61,36 @@ def needle_recall(answer: str, phrases: tuple[str, ...] = KEY_PHRASES) -> float:
     return sum(norm(p) in answer for p in phrases) / len(phrases)
 
 
-def load_haystack(data_root: Path) -> str:
-    """The essays, sorted by file name and joined with blank lines (the files end without a newline,
-    and joining them bare would run one essay's last sentence into the next one's date)."""
+def essay_order(names: list[str], seed: int | None) -> list[str]:
+    """``names`` sorted, then (``seed`` not None) shuffled by a generator of that seed alone, so the
+    order is the same on every machine and Python version for a given seed."""
+    names = sorted(names)
+    if seed is not None:
+        random.Random(f"niah-haystack-{seed}").shuffle(names)
+    return names
+
+
+def load_haystack(data_root: Path, seed: int | None = None) -> str:
+    """The essays in :func:`essay_order` (``seed=None``: by file name), joined with blank lines (the
+    files end without a newline, and joining them bare would run one essay's last sentence into the
+    next one's date)."""
     folder = Path(data_root) / HAYSTACK_DIR
-    files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
+    files = {f.name: f for f in folder.glob("*.txt")} if folder.is_dir() else {}
     if not files:
         raise ConfigError(
             "data.root",
             str(data_root),
             f"no haystack essays at {folder}/*.txt; `make assets` fetches the haystack",
         )
-    return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+    return "\n\n".join(files[name].read_text(encoding="utf-8") for name in essay_order(list(files), seed))
+
+
+def kamradt_grid(min_length: int, max_length: int, num_lengths: int, num_depths: int):
+    """Kamradt's grid: ``num_lengths`` lengths evenly spaced over [min_length, max_length] and
+    ``num_depths`` depths evenly spaced over [0, 100], both ends included, rounded to integers."""
+    lengths = np.round(np.linspace(min_length, max_length, num_lengths)).astype(int).tolist()
+    depths = np.round(np.linspace(0, 100, num_depths)).astype(int).tolist()
+    return list(dict.fromkeys(lengths)), list(dict.fromkeys(depths))
 
 
 def period_ids(tokenizer) -> set[int]:
@@ -106,12 +134,19 @@ def chat_prompt(tokenizer, context: str, question: str = QUESTION) -> str:
 @dataclass
 class NIAHConfig(TaskConfig):
     """Context lengths are in tokens of the model's tokenizer and include the prompt template;
-    depths are percentages of the document."""
+    depths are percentages of the document. ``grid: kamradt`` replaces ``context_lengths`` and
+    ``depths`` by :func:`kamradt_grid` of the four ``*_length``/``num_*`` knobs."""
 
     name: str = "niah"
-    version: int = 1
+    version: int = 2
+    grid: str = "explicit"
     context_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 3072])
     depths: list[float] = field(default_factory=lambda: [0, 50, 100])
+    min_length: int = 1024
+    max_length: int = 8192
+    num_lengths: int = 8
+    num_depths: int = 11
+    haystack_order: str = "seeded"
     buffer: int = 200
     max_new_tokens: int = 32
 
@@ -121,6 +156,26 @@ class NIAHConfig(TaskConfig):
         require(
             _positive_int(self.max_new_tokens), "task.max_new_tokens", self.max_new_tokens, "a positive int"
         )
+        check_choice("task.grid", self.grid, GRIDS)
+        check_choice("task.haystack_order", self.haystack_order, HAYSTACK_ORDERS)
+        if self.grid == "kamradt":
+            require(
+                _positive_int(self.min_length) and self.min_length > self.buffer,
+                "task.min_length",
+                self.min_length,
+                f"an int above task.buffer={self.buffer}",
+            )
+            require(
+                _int_at_least(self.max_length, self.min_length),
+                "task.max_length",
+                self.max_length,
+                f"an int >= task.min_length={self.min_length}",
+            )
+            require(_positive_int(self.num_lengths), "task.num_lengths", self.num_lengths, "a positive int")
+            require(_int_at_least(self.num_depths, 2), "task.num_depths", self.num_depths, "an int >= 2")
+            self.context_lengths, self.depths = kamradt_grid(
+                self.min_length, self.max_length, self.num_lengths, self.num_depths
+            )
         lengths = _as_list(self.context_lengths)
         require(
             bool(lengths) and all(_positive_int(n) and n > self.buffer for n in lengths),
@@ -138,6 +193,10 @@ class NIAHConfig(TaskConfig):
         )
         require(len(set(depths)) == len(depths), "task.depths", depths, "no repeated depths")
         self.context_lengths, self.depths = lengths, depths
+
+
+GRIDS = ("explicit", "kamradt")
+HAYSTACK_ORDERS = ("seeded", "sorted")
 
 
 def _as_list(x: Any) -> list | None:
@@ -168,6 +227,9 @@ class NIAH(Task):
         # done once per tokenizer, not once per sample
         self._haystack: tuple[Any, list[int]] | None = None
 
+    def haystack_seed(self) -> int | None:
+        return self.seed if self.config.haystack_order == "seeded" else None
+
     def samples(self) -> list[dict[str, Any]]:
         load_haystack(self.data_root)  # fail before any model work when the data is missing
         rows = [
@@ -190,7 +252,7 @@ class NIAH(Task):
     def haystack_ids(self, tokenizer, n: int) -> list[int]:
         """At least ``n`` haystack token ids: the essays tokenized once, repeated as text if short."""
         if self._haystack is None or self._haystack[0] is not tokenizer or len(self._haystack[1]) < n:
-            essays = load_haystack(self.data_root)
+            essays = load_haystack(self.data_root, self.haystack_seed())
             text = essays
             ids = tokenizer.encode(text, add_special_tokens=False)
             while len(ids) < n:
