@@ -1,0 +1,119 @@
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from synthetic_runs import CONFIGS, SAMPLES, SEEDS, label, score, write_runs
+
+from kvbench.analysis.frame import groups, higher_is_better, load_frame, plan_of
+from kvbench.analysis.tables import (
+    cliff_table,
+    config_means,
+    is_binary,
+    method_family,
+    paired_table,
+    to_markdown,
+)
+
+
+@pytest.fixture(scope="module")
+def frame(tmp_path_factory):
+    return load_frame(write_runs(tmp_path_factory.mktemp("runs")))
+
+
+def _hand_mean_diff(bits):
+    diffs = [
+        score("uniform", bits, s, seed) - score("fp16", None, s, seed) for s in SAMPLES for seed in SEEDS
+    ]
+    return sum(diffs) / len(diffs)
+
+
+def test_frame_has_one_row_per_sample_and_run(frame):
+    assert len(frame) == len(CONFIGS) * len(SEEDS) * len(SAMPLES) == 96
+    assert sorted(frame["method"].unique()) == ["fp16", "uniform-2b", "uniform-3b", "uniform-4b"]
+    # The 3-row run of an older uniform-4b config is left out in favour of the full one.
+    assert len(frame.attrs["superseded"]) == 1 and "uniform-4b" in frame.attrs["superseded"][0]
+    assert not frame.duplicated(["method", "sample_id", "seed"]).any()
+    row = frame[
+        (frame["method"] == "uniform-3b") & (frame["sample_id"] == "s01") & (frame["seed"] == 0)
+    ].iloc[0]
+    assert row["score"] == 0.0 and row["bits"] == 3.0 and row["effective_bits"] == 4.0
+    assert row["task"] == "niah" and row["model"] == "tiny" and row["experiment"] == "synthetic_cliff"
+    assert frame.loc[frame["method"] == "fp16", "bits"].isna().all()
+    assert frame["finished"].all()
+
+
+def test_plan_is_read_from_config(frame):
+    plan = plan_of(frame)
+    assert plan["reference"] == "fp16" and plan["metric"] == "score"
+    assert plan["margin"] == 0.1 and list(plan["grid"]) == [4, 3, 2]
+    [(key, sub)] = groups(frame)
+    assert key == ("niah", "tiny", "synthetic_cliff") and len(sub) == 96
+
+
+def test_config_means(frame):
+    means = config_means(frame, "score", n_resamples=500).set_index("method")
+    assert means.loc["fp16", "mean"] == pytest.approx(22 / 24)
+    assert means.loc["uniform-3b", "mean"] == pytest.approx(20 / 24)
+    assert means.loc["uniform-2b", "mean"] == 0.0
+    assert means.loc["uniform-3b", "n"] == 24 and means.loc["uniform-3b", "seeds"] == 2
+    assert means.loc["uniform-3b", "effective_bits"] == 4.0 and means.loc["fp16", "effective_bits"] == 16.0
+    assert means.loc["uniform-2b", "runaway_rate"] == 1.0 and means.loc["uniform-4b", "runaway_rate"] == 0.0
+    lo, hi = means.loc["uniform-3b", ["ci_low", "ci_high"]]
+    assert lo < 20 / 24 < hi and 0 <= lo and hi <= 1
+    assert means.loc["uniform-3b", "family"] == "uniform"
+
+
+def test_paired_table_matches_hand_computed_differences(frame):
+    paired = paired_table(frame, plan_of(frame), n_resamples=500).set_index("method")
+    for bits in (4, 3, 2):
+        assert paired.loc[label("uniform", bits), "mean_diff"] == pytest.approx(_hand_mean_diff(bits))
+        assert paired.loc[label("uniform", bits), "n"] == 24
+        assert paired.loc[label("uniform", bits), "n_missing"] == 0
+    assert _hand_mean_diff(2) == pytest.approx(-22 / 24)
+    # McNemar, 2b: 22 pairs where only the reference is right, none the other way.
+    assert paired.loc["uniform-2b", "p_mcnemar"] == pytest.approx(2 * 0.5**22)
+    assert paired.loc["uniform-3b", "p_mcnemar"] == pytest.approx(0.5)  # b=2, c=0
+    assert paired.loc["uniform-4b", "p_mcnemar"] == 1.0
+    # Holm over the three McNemar p-values: smallest x3, next x2 (clipped at 1).
+    assert paired.loc["uniform-2b", "p_mcnemar_holm"] == pytest.approx(3 * 2 * 0.5**22)
+    assert paired.loc["uniform-3b", "p_mcnemar_holm"] == 1.0
+    assert paired.loc["uniform-2b", "verdict"] == "worse"
+    assert paired.loc["uniform-4b", "verdict"] == "equivalent" and paired.loc["uniform-4b", "equivalent"]
+    assert paired.loc["uniform-2b", "ci_high"] < 0
+    assert paired.loc["uniform-4b", "margin"] == 0.1
+
+
+def test_cliff_table_brackets_the_grid(frame):
+    paired = paired_table(frame, plan_of(frame), n_resamples=500)
+    cliff = cliff_table(paired).set_index("family")
+    assert cliff.loc["uniform", "interval"] == "(2, 3]"
+    assert cliff.loc["uniform", "last_ok_bits"] == 3.0 and cliff.loc["uniform", "first_bad_bits"] == 2.0
+    assert cliff.loc["uniform", "grid"] == "4 3 2"
+
+
+def test_lower_is_better_metric_flips_the_difference():
+    rows = []
+    for sid in range(6):
+        rows.append({"method": "fp16", "bits": math.nan, "sample_id": str(sid), "seed": 0, "ppl": 10.0 + sid})
+        rows.append({"method": "kivi-2b", "bits": 2.0, "sample_id": str(sid), "seed": 0, "ppl": 12.0 + sid})
+    frame = pd.DataFrame(rows)
+    plan = {"reference": "fp16", "metric": "ppl", "alpha": 0.05, "margin": None}
+    paired = paired_table(frame, plan, n_resamples=200)
+    # reference - method: the method's perplexity is 2 higher, so it is 2 worse.
+    assert paired.iloc[0]["mean_diff"] == pytest.approx(-2.0)
+    assert paired.iloc[0]["equivalent"] is None and np.isnan(paired.iloc[0]["tost_p"])
+    assert np.isnan(paired.iloc[0]["p_mcnemar"])  # not a binary metric
+    assert not higher_is_better("ppl") and higher_is_better("score")
+
+
+def test_helpers():
+    assert method_family("kivi-2b", 2.0) == "kivi"
+    assert method_family("kivi-1b-specache0", 1.0) == "kivi-specache0"
+    assert method_family("uniform-2.322b", 2.322) == "uniform"
+    assert method_family("fp16", math.nan) == "fp16"
+    assert is_binary([0, 1, 1.0]) and not is_binary([0, 0.5, 1])
+    table = pd.DataFrame({"name": ["a|b"], "p": [1.5e-7], "x": [0.123456], "ok": [True], "m": [math.nan]})
+    md = to_markdown(table).splitlines()
+    assert md[0] == "| name | p | x | ok | m |"
+    assert md[2] == "| a\\|b | 1.50e-07 | 0.1235 | yes | - |"
