@@ -192,6 +192,9 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
         "folder": str(folder.path),
     }
     folder.write_metrics(metrics)
+    from kvbench.logger import log_run
+
+    log_run(config, metrics)  # after the folder is written: a logger failure cannot lose results
     return metrics
 
 

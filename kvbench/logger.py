@@ -1,0 +1,322 @@
+"""Experiment loggers: ``logger=none`` (default) and ``logger=wandb`` (Weights & Biases).
+
+The wandb logger records a run's resolved config, its metrics (task aggregates, memory summary,
+timings; flattened with ``/``) and, from ``python -m kvbench.report DIR --wandb``, the report's
+figures and tables. It must never cost a run: results are written to the run folder first, and
+
+- the mode is decided before ``wandb.init`` is called: ``WANDB_MODE`` when set; else
+  ``logger.mode`` (``online``/``offline``); else (``auto``) online only when an API key is found
+  (``WANDB_API_KEY`` or a netrc entry for the server) *and* the server answers a TCP connection
+  within ``logger.probe_timeout`` seconds; otherwise offline, with a one-line note. Offline runs
+  land under ``logger.dir`` (or ``WANDB_DIR``) and can be uploaded later with ``wandb sync``;
+- ``wandb.init`` gets ``logger.init_timeout`` seconds; an online start that fails is retried once
+  offline, and a failure there disables the logger;
+- every other call is guarded: a wandb exception prints one warning and the run continues.
+"""
+
+from __future__ import annotations
+
+import math
+import netrc
+import os
+import socket
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from kvbench.config import build_config, check_choice
+
+DEFAULT_SERVER = "https://api.wandb.ai"
+
+
+@dataclass
+class LoggerConfig:
+    """The ``logger`` node. ``name``: none | wandb; the rest is read by the wandb logger only."""
+
+    name: str = "none"
+    project: str = "kvbench"
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    mode: str = "auto"  # auto | online | offline
+    init_timeout: float = 20.0
+    probe_timeout: float = 2.0
+    dir: str | None = None
+
+    def __post_init__(self):
+        check_choice("logger.name", self.name, ("none", "wandb"))
+        check_choice("logger.mode", self.mode, ("auto", "online", "offline"))
+        for key in ("init_timeout", "probe_timeout"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                from kvbench.errors import ConfigError
+
+                raise ConfigError(f"logger.{key}", value, "a positive number of seconds")
+
+
+def _warn(message: str) -> None:
+    print(f"kvbench: warning: {message}", file=sys.stderr)
+
+
+def flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, float | int]:
+    """Numeric leaves of a nested dict as ``{"a/b": value}`` (strings, lists and None dropped)."""
+    out: dict[str, float | int] = {}
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not (isinstance(value, float) and not math.isfinite(value)):
+                out[name] = value
+    return out
+
+
+class NullLogger:
+    """``logger=none``: every call does nothing."""
+
+    active = False
+
+    def start(self, config: dict[str, Any], name: str | None = None, **kwargs: Any) -> None:
+        pass
+
+    def log_run(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def log_report(self, report: dict[str, Any]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------- mode decision
+
+
+def server_url() -> str:
+    return os.environ.get("WANDB_BASE_URL") or DEFAULT_SERVER
+
+
+def has_api_key(url: str | None = None) -> bool:
+    """True when ``WANDB_API_KEY`` is set or the netrc file (``NETRC`` or ~/.netrc) has a password
+    for the server's host. Reads files only; never contacts the server."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(url or server_url()).hostname
+    path = os.environ.get("NETRC") or str(Path.home() / ".netrc")
+    try:
+        auth = netrc.netrc(path).authenticators(host) if host and Path(path).exists() else None
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(auth and auth[2])
+
+
+def server_reachable(url: str | None = None, timeout: float = 2.0) -> bool:
+    """True when a TCP connection to the server opens within ``timeout`` seconds."""
+    parsed = urlparse(url or server_url())
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_mode(cfg: LoggerConfig) -> tuple[str, str]:
+    """``(mode, reason)``: the wandb mode to start in and why (see the module docstring)."""
+    env = os.environ.get("WANDB_MODE")
+    if env:
+        return ("offline" if env == "dryrun" else env), f"WANDB_MODE={env}"
+    if cfg.mode != "auto":
+        return cfg.mode, f"logger.mode={cfg.mode}"
+    if not has_api_key():
+        return "offline", "no wandb API key (WANDB_API_KEY or netrc)"
+    if not server_reachable(timeout=cfg.probe_timeout):
+        return "offline", f"{server_url()} not reachable within {cfg.probe_timeout:g} s"
+    return "online", "API key found and server reachable"
+
+
+# -------------------------------------------------------------------------------------- wandb
+
+
+class WandbLogger:
+    """``logger=wandb``: see the module docstring for the never-block rules."""
+
+    def __init__(self, cfg: LoggerConfig):
+        self.cfg = cfg
+        self.run = None
+        self.mode: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.run is not None
+
+    def _init(self, wandb, mode: str, config: dict[str, Any], name: str | None, job_type: str):
+        directory = self.cfg.dir or os.environ.get("WANDB_DIR")
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        return wandb.init(
+            project=self.cfg.project,
+            entity=self.cfg.entity,
+            group=self.cfg.group,
+            tags=list(self.cfg.tags) or None,
+            name=name,
+            job_type=job_type,
+            config=config,
+            mode=mode,
+            dir=directory,
+            settings=wandb.Settings(init_timeout=float(self.cfg.init_timeout), silent=True, console="off"),
+        )
+
+    def start(self, config: dict[str, Any], name: str | None = None, job_type: str = "run") -> None:
+        """Open a wandb run holding ``config``; on any failure, warn and stay inactive."""
+        try:
+            import wandb
+        except ImportError as err:
+            _warn(f"wandb is not installed ({err}); continuing without it")
+            return
+        mode, reason = resolve_mode(self.cfg)
+        if mode == "offline" and self.cfg.mode == "auto" and "WANDB_MODE" not in os.environ:
+            print(f"kvbench: wandb offline: {reason}", file=sys.stderr)
+        try:
+            self.run = self._init(wandb, mode, config, name, job_type)
+            self.mode = mode
+        except Exception as err:
+            if mode != "online":
+                _warn(f"wandb init failed ({type(err).__name__}: {err}); continuing without wandb")
+                return
+            _warn(f"wandb online init failed ({type(err).__name__}: {err}); retrying offline")
+            try:
+                self.run = self._init(wandb, "offline", config, name, job_type)
+                self.mode = "offline"
+            except Exception as err2:
+                _warn(f"wandb offline init failed ({type(err2).__name__}: {err2}); continuing without wandb")
+
+    def _guard(self, what: str, fn, *args) -> None:
+        if self.run is None:
+            return
+        try:
+            fn(*args)
+        except Exception as err:
+            _warn(f"wandb {what} failed ({type(err).__name__}: {err}); continuing without wandb")
+            self.run = None
+
+    def log_run(self, metrics: dict[str, Any]) -> None:
+        """A run's ``metrics.json`` content: numeric leaves logged once and set as the summary."""
+        flat = flatten({k: metrics.get(k) or {} for k in ("metrics", "memory", "timings")})
+
+        def _log():
+            self.run.log(flat)
+            self.run.summary.update({**flat, "primary_metric": metrics.get("primary_metric")})
+
+        self._guard("log", _log)
+
+    def log_report(self, report: dict[str, Any]) -> None:
+        """A report (``kvbench.report.build_report``'s result): each unit's figures as images and
+        its tables as wandb tables, under ``<task>_<model>[_<experiment>]/``."""
+        import wandb
+
+        def _log():
+            payload = {}
+            for unit in report["units"]:
+                prefix = unit["folder"].name
+                for path in unit["figures"]:
+                    payload[f"{prefix}/{Path(path).stem}"] = wandb.Image(str(path))
+                for key in ("means", "paired", "cliff"):
+                    table = unit[key]
+                    if not table.empty:
+                        payload[f"{prefix}/{key}"] = wandb.Table(dataframe=table.astype(str))
+            self.run.log(payload)
+
+        self._guard("report log", _log)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self._guard("finish", self.run.finish)
+            self.run = None
+
+
+def build_logger(node: dict[str, Any] | None) -> NullLogger | WandbLogger:
+    """The logger for a ``logger`` config node (None or ``name: none``: the null logger)."""
+    cfg = build_config(LoggerConfig, dict(node or {}), "logger")
+    return WandbLogger(cfg) if cfg.name == "wandb" else NullLogger()
+
+
+def log_run(config: dict[str, Any], metrics: dict[str, Any]) -> None:
+    """Log a finished run (its resolved config and ``metrics.json`` content) to the logger named
+    by ``config["logger"]``; called by ``kvbench.run.execute`` after the run folder is written, so
+    a logger failure can never lose a result."""
+    logger = build_logger(config.get("logger"))
+    if isinstance(logger, NullLogger):
+        return
+    name = "/".join(str(metrics.get(k)) for k in ("task", "model", "method")) + f"/seed{metrics.get('seed')}"
+    logger.start({k: v for k, v in config.items() if k != "logger"}, name=name)
+    logger.log_run(metrics)
+    logger.finish()
+
+
+def log_report(result: dict[str, Any], node: dict[str, Any] | None = None) -> None:
+    """Log a finished report to wandb as its own run (job type ``report``)."""
+    logger = build_logger({"name": "wandb", **(node or {})})
+    logger.start({"report_dir": str(result["out"])}, name=f"report/{result['out']}", job_type="report")
+    logger.log_report(result)
+    logger.finish()
+
+
+# ---------------------------------------------------------------------- reading offline runs
+
+_BLOCK = 32768  # the record log's block size (LevelDB log format)
+_HEADER = 7  # per-record header: crc32c (4), length (2), type (1); the file starts with a 7-byte magic
+
+
+def read_offline_run(run_dir: str | Path) -> dict[str, Any]:
+    """What an offline wandb run folder holds: ``{"config": {...}, "history": [{...}, ...],
+    "summary": {...}}`` with JSON-decoded values, read from its ``run-*.wandb`` record log.
+
+    The log is LevelDB's format (32 KiB blocks; records split FIRST/MIDDLE/LAST across blocks)
+    after a 7-byte ``:W&B`` header; each record is a ``wandb_internal_pb2.Record`` protobuf.
+    """
+    import json
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    [path] = Path(run_dir).glob("run-*.wandb")
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path}: not a wandb record log")
+    payloads, buf, pos = [], b"", _HEADER
+    while pos + _HEADER <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _HEADER:  # block trailer padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
+        pos += _HEADER
+        if kind == 0 and length == 0:  # zero padding up to the block end
+            pos += left - _HEADER
+            continue
+        buf += data[pos : pos + length]
+        pos += length
+        if kind in (1, 4):  # FULL or LAST
+            payloads.append(buf)
+            buf = b""
+
+    def key_of(item) -> str:
+        return "/".join(item.nested_key) if item.nested_key else item.key
+
+    out: dict[str, Any] = {"config": {}, "history": [], "summary": {}}
+    for payload in payloads:
+        record = pb.Record()
+        record.ParseFromString(payload)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            out["config"].update({u.key: json.loads(u.value_json) for u in record.run.config.update})
+        elif kind == "config":
+            out["config"].update({u.key: json.loads(u.value_json) for u in record.config.update})
+        elif kind == "history":
+            out["history"].append({key_of(i): json.loads(i.value_json) for i in record.history.item})
+        elif kind == "summary":
+            out["summary"].update({key_of(u): json.loads(u.value_json) for u in record.summary.update})
+    return out

@@ -1,0 +1,172 @@
+import socket
+from pathlib import Path
+
+import pytest
+
+from kvbench import logger as kvlog
+from kvbench.errors import ConfigError
+
+METRICS = {
+    "task": "niah",
+    "model": "smollm2-135m",
+    "method": "kivi-2b",
+    "seed": 3,
+    "primary_metric": "score",
+    "metrics": {"score": 0.5185, "n": 9, "score_L1024": 0.5556},
+    "memory": {"effective_bits": 4.029, "code_bits": 2.0, "last_sample_bytes_by_component": {"codes": 8}},
+    "timings": {"run_s": 138.6},
+}
+CONFIG = {
+    "task": {"name": "niah"},
+    "method": {"name": "kivi", "bits": 2},
+    "seed": 3,
+    "logger": {"name": "wandb"},
+}
+
+
+@pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    """wandb confined to tmp_path, with no key and no server reachable unless a test says so."""
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    probes = []
+
+    def refuse(address, timeout=None, *args, **kwargs):
+        probes.append((address, timeout))
+        raise TimeoutError("simulated: no network")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    return tmp_path, probes
+
+
+def _offline_runs(root: Path):
+    return sorted((root / "wandb").glob("offline-run-*"))
+
+
+def test_offline_mode_writes_run_with_metrics(wandb_env, monkeypatch):
+    root, probes = wandb_env
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    kvlog.log_run(CONFIG, METRICS)
+    [run_dir] = _offline_runs(root)
+    stored = kvlog.read_offline_run(run_dir)
+    assert stored["summary"]["metrics/score"] == pytest.approx(0.5185)
+    assert stored["summary"]["memory/effective_bits"] == pytest.approx(4.029)
+    assert stored["summary"]["primary_metric"] == "score"
+    assert stored["history"][0]["timings/run_s"] == pytest.approx(138.6)
+    assert stored["history"][0]["memory/last_sample_bytes_by_component/codes"] == 8
+    assert stored["config"]["method"] == {"name": "kivi", "bits": 2}
+    assert "logger" not in stored["config"]
+    assert probes == []  # WANDB_MODE=offline: the server is never probed
+
+
+def test_auto_mode_without_api_key_goes_offline_without_probing(wandb_env):
+    _, probes = wandb_env
+    mode, reason = kvlog.resolve_mode(kvlog.LoggerConfig(name="wandb"))
+    assert mode == "offline" and "API key" in reason
+    assert probes == []
+
+
+def test_auto_mode_with_key_but_no_network_goes_offline(wandb_env, monkeypatch, capsys):
+    root, probes = wandb_env
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    cfg = kvlog.LoggerConfig(name="wandb", probe_timeout=1.5)
+    mode, reason = kvlog.resolve_mode(cfg)
+    assert mode == "offline" and "not reachable within 1.5 s" in reason
+    # One probe, of the default server, bounded by the configured timeout.
+    assert probes == [(("api.wandb.ai", 443), 1.5)]
+    logger = kvlog.WandbLogger(cfg)
+    logger.start({"seed": 0}, name="t")
+    assert logger.active and logger.mode == "offline"
+    logger.log_run(METRICS)
+    logger.finish()
+    assert "wandb offline: " in capsys.readouterr().err
+    [run_dir] = _offline_runs(root)
+    assert kvlog.read_offline_run(run_dir)["summary"]["metrics/n"] == 9
+
+
+def test_netrc_entry_counts_as_key(wandb_env, monkeypatch):
+    root, _ = wandb_env
+    netrc_file = root / "netrc"
+    netrc_file.write_text("machine api.wandb.ai\n  login user\n  password " + "p" * 40 + "\n")
+    netrc_file.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    assert kvlog.has_api_key()
+    netrc_file.write_text("machine example.org\n  login user\n  password x\n")
+    assert not kvlog.has_api_key()
+
+
+def test_wandb_failures_warn_and_the_run_continues(wandb_env, monkeypatch, capsys):
+    import wandb
+
+    modes = []
+
+    def broken_init(*args, mode=None, **kwargs):
+        modes.append(mode)
+        raise RuntimeError("simulated init timeout")
+
+    monkeypatch.setattr(wandb, "init", broken_init)
+    logger = kvlog.WandbLogger(kvlog.LoggerConfig(name="wandb", mode="online"))
+    logger.start({"seed": 0})
+    assert modes == ["online", "offline"]  # online failed, retried once offline, then gave up
+    assert not logger.active
+    logger.log_run(METRICS)  # no-ops, no exception
+    logger.finish()
+    err = capsys.readouterr().err
+    assert "retrying offline" in err and "continuing without wandb" in err
+
+
+def test_log_failure_disables_logger(wandb_env, capsys):
+    class FailingRun:
+        summary: dict = {}
+
+        def log(self, data):
+            raise OSError("disk full")
+
+        def finish(self):
+            raise AssertionError("finish must not be called on a disabled logger")
+
+    logger = kvlog.WandbLogger(kvlog.LoggerConfig(name="wandb"))
+    logger.run = FailingRun()
+    logger.log_run(METRICS)
+    assert not logger.active
+    logger.finish()
+    assert "wandb log failed (OSError: disk full)" in capsys.readouterr().err
+
+
+def test_logger_config_and_null_logger():
+    assert isinstance(kvlog.build_logger(None), kvlog.NullLogger)
+    assert isinstance(kvlog.build_logger({"name": "none"}), kvlog.NullLogger)
+    assert isinstance(kvlog.build_logger({"name": "wandb"}), kvlog.WandbLogger)
+    with pytest.raises(ConfigError, match="logger.mode"):
+        kvlog.build_logger({"name": "wandb", "mode": "sometimes"})
+    with pytest.raises(ConfigError, match="logger.name"):
+        kvlog.build_logger({"name": "tensorboard"})
+    with pytest.raises(ConfigError, match="logger.init_timeout"):
+        kvlog.build_logger({"name": "wandb", "init_timeout": 0})
+    flat = kvlog.flatten({"a": {"b": 1, "c": "x", "d": float("nan")}, "e": 2.5, "f": True})
+    assert flat == {"a/b": 1, "e": 2.5}
+
+
+def test_hydra_logger_group_composes():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from kvbench.__main__ import CONF_DIR
+    from kvbench.results import run_id
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        default = compose(config_name="config")
+        wandb_cfg = compose(config_name="config", overrides=["logger=wandb", "logger.mode=offline"])
+    assert default.logger.name == "none"
+    assert wandb_cfg.logger.name == "wandb" and wandb_cfg.logger.mode == "offline"
+    assert wandb_cfg.logger.probe_timeout == 2
+    # The logger never changes the run id (the same experiment keeps its folder).
+    plain = OmegaConf.to_container(default, resolve=True)
+    logged = OmegaConf.to_container(wandb_cfg, resolve=True)
+    assert plain["logger"] != logged["logger"] and run_id(plain) == run_id(logged)
