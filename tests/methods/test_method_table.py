@@ -24,6 +24,14 @@ METHOD_TABLE = {
     # key_norm is scored at append time, so the prefill is allocated without after_forward;
     # the 40 decode tokens stay pending (under one 64-token chunk)
     "semkv": ({"name": "semkv", "metric": "key_norm"}, True, 0.5),
+    # the accelerator's low-bit copy is what read() returns; the FP16 host copy is not device memory
+    "specache": ({"name": "specache", "bits": 2}, True, 0.5),
+    # eviction: the contract reads every token back, so the budget exceeds its 340 tokens (nothing is
+    # evicted, FP16 bytes); what the policies keep is tested in test_eviction.py
+    "streamingllm": ({"name": "streamingllm", "budget": 512}, False, 1e-3),
+    "h2o": ({"name": "h2o", "budget": 512}, False, 1e-3),
+    "snapkv": ({"name": "snapkv", "budget": 512}, False, 1e-3),
+    "random_prune": ({"name": "random_prune", "budget": 512}, False, 1e-3),
 }
 
 SHAPE = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)

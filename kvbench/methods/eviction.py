@@ -1,0 +1,147 @@
+"""What the eviction baselines share: the budget knobs and the matched-memory budget.
+
+``streamingllm``, ``h2o``, ``snapkv`` and ``random_prune`` keep a budget of tokens in ``fp_dtype``
+(FP16) and drop the rest (storage and attention in :mod:`kvbench.cache.eviction`). They exist for
+SemKV's (arXiv 2608.28911) comparison of token deletion against full-token retention at low
+precision at the same memory (contribution 4: "in a matched, in fact less favourable, memory
+budget, keeping every token at low precision clearly beats FP16 token pruning").
+
+Knobs common to all four:
+
+- ``budget``: tokens kept per (layer, kv head). An int ``>= 1`` is a token count; a float in
+  ``(0, 1]`` is a fraction of the prompt (the first forward), floored, at least 1. ``1`` keeps one
+  token; ``1.0`` keeps the whole prompt.
+- ``window``: the newest tokens always kept (clipped to the budget).
+- ``matched_memory``: ``null``, or a method node such as ``{name: kivi, bits: 2}``. Then ``budget`` is
+  ignored: at the first forward of a prompt of T tokens, that method's cache is built for the same
+  shape and T tokens, and each layer keeps ``floor(bytes_l / c_l)`` tokens, where ``bytes_l`` is what
+  the quantized cache's layer l holds (read from its tensors, not a formula) and ``c_l`` the bytes one
+  kept token costs here (keys, values and any per-token score). The eviction cache then holds at
+  most the quantized cache's bytes and less than one token below them. On the command line:
+  ``'method.matched_memory={name:kivi,bits:2}'``.
+
+Accounting: bytes come from the kept tensors; ``effective_bits`` and ``compression`` divide by the
+*logical* token count, so they compare honestly with the full FP16 cache. Kept tokens per layer and
+head: ``bytes_by_component["fp"] / (2 * B * H_kv * D * 2 * num_layers)`` (FP16), or
+:func:`kept_tokens` on a cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvbench.cache.accounting import tensor_bytes
+from kvbench.cache.eviction import EvictionLayer, budget_tokens
+from kvbench.config import build_config, check_choice, is_int, require
+from kvbench.methods.base import METHODS, Method, MethodConfig, ModelShape
+
+EVICTION_METHODS = ("streamingllm", "h2o", "snapkv", "random_prune")
+MATCHED_SEED = 0  # keys/values fed to the matched cache: its bytes do not depend on them
+
+
+@dataclass
+class EvictionConfig(MethodConfig):
+    budget: Any = 0.25
+    window: Any = 32
+    matched_memory: dict[str, Any] | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        b = self.budget
+        require(
+            (is_int(b) and b >= 1) or (isinstance(b, float) and 0 < b <= 1),
+            "method.budget",
+            b,
+            "an int token count >= 1, or a float fraction of the prompt in (0, 1]",
+        )
+        self.check_window()
+        require(
+            self.sink_tokens == 0, "method.sink_tokens", self.sink_tokens, "0 (sinks are a policy's own knob)"
+        )
+        check_choice("method.backend", self.backend, ("torch",))
+        self.matched_method = None
+        if self.matched_memory is not None:
+            self.matched_method = build_matched(self.matched_memory)
+
+    def check_window(self) -> None:
+        require(is_int(self.window) and self.window >= 0, "method.window", self.window, "an int >= 0")
+
+    def check_model(self, shape: ModelShape) -> None:
+        if self.matched_method is not None:
+            self.matched_method.config.check_model(shape)
+
+
+def build_matched(node: Any) -> Method:
+    """The quantized configuration whose bytes set the budget, validated under
+    ``method.matched_memory``."""
+    allowed = [n for n in METHODS.names() if n not in EVICTION_METHODS]
+    require(
+        isinstance(node, dict),
+        "method.matched_memory",
+        node,
+        f"null or a method node such as {{name: kivi, bits: 2}}; methods: {', '.join(allowed)}",
+    )
+    check_choice("method.matched_memory.name", node.get("name"), allowed)
+    cls = METHODS.get(node["name"])
+    return cls(build_config(cls.Config, node, "method.matched_memory"))
+
+
+class EvictionMethod(Method):
+    """Builds a policy's layers and resolves their budgets."""
+
+    Config: ClassVar[type[EvictionConfig]] = EvictionConfig
+
+    def __init__(self, config: EvictionConfig):
+        super().__init__(config)
+        self.shape: ModelShape | None = None
+        self._matched_bytes: dict[tuple, list[int]] = {}
+
+    def build_layer(self, layer_idx: int, fp_dtype: torch.dtype) -> EvictionLayer:
+        raise NotImplementedError
+
+    def make_layer(self, layer_idx, shape, model_dtype):
+        self.shape = shape
+        return self.build_layer(layer_idx, self.config.torch_fp_dtype(model_dtype))
+
+    def prepare(self, model, tokenizer, shape, data_root) -> None:
+        if self.config.matched_method is not None:
+            self.config.matched_method.prepare(model, tokenizer, shape, data_root)
+
+    def budget_for(self, layer: EvictionLayer, prompt_len: int) -> int:
+        if self.config.matched_method is None:
+            return budget_tokens(self.config.budget, prompt_len)
+        target = self.matched_bytes(prompt_len, layer.batch_size, layer.dtype, layer.device)[layer.layer_idx]
+        return max(1, target // layer.bytes_per_token())
+
+    def matched_bytes(self, prompt_len: int, batch: int, dtype: torch.dtype, device) -> list[int]:
+        """Bytes each layer of the matched method's cache holds after a prefill of ``prompt_len``
+        tokens, measured on a cache built for this model's shape."""
+        key = (prompt_len, batch, dtype, str(device))
+        if key not in self._matched_bytes:
+            s = self.shape
+            cache = self.config.matched_method.new_cache(s, dtype)
+            gen = torch.Generator().manual_seed(MATCHED_SEED)
+            sizes = []
+            for layer in cache.layers:
+                k, v = torch.randn(2, batch, s.num_kv_heads, prompt_len, s.head_dim, generator=gen).to(
+                    device, dtype
+                )
+                # the layer's own update: the cache-level one would publish it as the active layer
+                layer.update(k, v)
+                sizes.append(sum(tensor_bytes(t) for t in layer.held_tensors().values()))
+            self._matched_bytes[key] = sizes
+        return self._matched_bytes[key]
+
+    def base_label(self) -> str:
+        c = self.config
+        if c.matched_method is not None:
+            return f"{self.registered_name}-mm-{c.matched_method.label()}"
+        return f"{self.registered_name}-b{c.budget:g}"
+
+
+def kept_tokens(cache) -> list[int]:
+    """Tokens each layer of an eviction cache holds per kv head."""
+    return [layer.kept for layer in cache.layers]
