@@ -170,3 +170,22 @@ def test_hydra_logger_group_composes():
     plain = OmegaConf.to_container(default, resolve=True)
     logged = OmegaConf.to_container(wandb_cfg, resolve=True)
     assert plain["logger"] != logged["logger"] and run_id(plain) == run_id(logged)
+
+
+def test_report_figures_logged_offline(wandb_env, monkeypatch):
+    from synthetic_runs import write_runs
+
+    from kvbench.report import build_report
+
+    root, _ = wandb_env
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    result = build_report(write_runs(root / "runs"), root / "out", n_resamples=200, say=lambda _: None)
+    kvlog.log_report(result)
+    [run_dir] = _offline_runs(root)
+    summary = kvlog.read_offline_run(run_dir)["summary"]
+    unit = "niah_tiny_synthetic_cliff"
+    assert summary[f"{unit}/cliff_map/_type"] == "image-file"
+    assert summary[f"{unit}/memory_quality/_type"] == "image-file"
+    assert summary[f"{unit}/cliff_map/size"] == (root / "out" / unit / "cliff_map.png").stat().st_size
+    assert summary[f"{unit}/paired/_type"] == "table-file"
+    assert summary[f"{unit}/paired/nrows"] == 3  # uniform at 4, 3 and 2 bits against fp16
