@@ -67,6 +67,14 @@ class ModelRunner:
         self.method.after_forward(cache, input_ids, logits)
         return logits
 
+    def decode_step(self, input_ids: torch.Tensor, cache: KVBenchCache) -> torch.Tensor:
+        """Feed the token just chosen, ``input_ids [1, 1]``; returns the float32 logits ``[1, 1,
+        vocab]`` that choose the next one. A method that drives its own decode step (SpeCache's
+        two-token forward) defines ``decode_step(runner, cache, input_ids)`` and is delegated to;
+        every other method gets one plain :meth:`forward`."""
+        step = getattr(self.method, "decode_step", None)
+        return self.forward(input_ids, cache) if step is None else step(self, cache, input_ids)
+
     def encode(self, text: str) -> torch.Tensor:
         return self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
 
@@ -96,7 +104,7 @@ class ModelRunner:
                 break
             if len(tokens) == max_new_tokens:
                 break
-            logits = self.forward(torch.tensor([[nxt]]), cache)
+            logits = self.decode_step(torch.tensor([[nxt]]), cache)
         decode_s = time.perf_counter() - t0
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         for s in stop_strings:

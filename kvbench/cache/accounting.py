@@ -12,6 +12,15 @@ Definitions (per run, summed over layers, keys and values together):
 - ``compression``: FP16 bytes of the same tokens over total bytes.
 - ``read_bits``: for methods that read less than they hold (ReadKV), payload bits read per stored
   value per decode query; None for methods that read everything they hold.
+
+Device and host: ``bytes``, ``effective_bits`` and ``compression`` count what the accelerator holds
+(:meth:`KVLayer.held_tensors`; for every method that does not offload, that is everything). A layer
+that also keeps tensors in host memory (SpeCache's full-precision copy) reports them in
+``host_tensors()``; they are summed apart into ``host_bytes_by_component`` / ``host_bytes`` and never
+enter the device figures. A layer that moves tokens host -> accelerator reports
+``prefetch_stats() -> (fetches, entries, bytes)``; the report gives the means per fetch (one fetch per
+layer per decode forward, summed over layers): ``prefetch_entries_per_step`` ((token, KV head) pairs)
+and ``prefetch_bytes_per_step``, None where nothing was fetched.
 """
 
 from __future__ import annotations
@@ -34,10 +43,30 @@ class MemoryReport:
     nominal_code_bits_sum: float = 0.0
     read_bits_sum: int = 0
     read_values: int = 0
+    host_bytes_by_component: dict[str, int] = field(default_factory=dict)
+    prefetch_steps: int = 0
+    prefetch_entries: int = 0
+    prefetch_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes_by_component.values())
+
+    @property
+    def device_bytes(self) -> int:
+        return self.total_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host_bytes_by_component.values())
+
+    @property
+    def prefetch_entries_per_step(self) -> float | None:
+        return self.prefetch_entries / self.prefetch_steps if self.prefetch_steps else None
+
+    @property
+    def prefetch_bytes_per_step(self) -> float | None:
+        return self.prefetch_bytes / self.prefetch_steps if self.prefetch_steps else None
 
     @property
     def fp16_bytes(self) -> int:
@@ -76,6 +105,10 @@ class MemoryReport:
             nominal_code_bits=self.nominal_code_bits,
             compression=self.compression,
             read_bits=self.read_bits,
+            device_bytes=self.device_bytes,
+            host_bytes=self.host_bytes,
+            prefetch_entries_per_step=self.prefetch_entries_per_step,
+            prefetch_bytes_per_step=self.prefetch_bytes_per_step,
             quantized_fraction=self.quantized_values / self.n_values if self.n_values else 0.0,
         )
         return d
@@ -87,6 +120,18 @@ def memory_report(layers: list[KVLayer]) -> MemoryReport:
     for layer in layers:
         if not layer.is_initialized:
             continue
+        host_tensors = getattr(layer, "host_tensors", None)
+        for component, tensors in (host_tensors() if host_tensors else {}).items():
+            report.host_bytes_by_component[component] = report.host_bytes_by_component.get(
+                component, 0
+            ) + tensor_bytes(tensors)
+        prefetch_stats = getattr(layer, "prefetch_stats", None)
+        if prefetch_stats:
+            fetches, entries, nbytes = prefetch_stats()
+            # each decode forward fetches once per layer: a step is a fetch of the busiest layer
+            report.prefetch_steps = max(report.prefetch_steps, fetches)
+            report.prefetch_entries += entries
+            report.prefetch_bytes += nbytes
         report.tokens = max(report.tokens, layer.num_tokens)
         report.n_values += 2 * layer.batch_size * layer.num_kv_heads * layer.num_tokens * layer.head_dim
         report.quantized_values += layer.quantized_values()

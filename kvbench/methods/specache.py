@@ -1,0 +1,369 @@
+"""``specache``: SpeCache (Jie et al., "SpeCache: Speculative Key-Value Caching for Efficient
+Generation of LLMs", ICML 2025, arXiv 2503.16163).
+
+The full-precision (FP16) KV cache ``C`` of every layer lives in host memory; the accelerator keeps a
+low-bit copy ``C'`` (KIVI's layout, reused from :mod:`kvbench.methods.kivi`: per-channel keys and
+per-token values in groups of G, an FP16 residual of the newest R tokens) and, for each decode step,
+the k FP16 pairs ``C_K`` fetched for it.
+
+Quantizer (Sec. 4.3): KIVI's ``Q(X) = round((X - z_X) / s_X)``, ``X' = Q(X) s_X + z_X``; at 1 bit
+``zero_point=specache`` takes ``z_X = (3 min X + max X) / 4``, ``s_X = (max X - min X) / 2`` (the two
+codes reconstruct the midpoints of the lower and upper half of [min X, max X]); ``minmax`` is
+KIVI's ``z_X = min X``, ``s_X = (max X - min X) / (2^B - 1)`` (Table 5's ablation).
+
+Phases (Sec. 4.1-4.2, Algorithms 1-3):
+
+- prefill (Alg. 1): each layer attends its exact keys and values, then quantizes them into ``C'`` and
+  offloads ``C`` to host memory, layer by layer;
+- pre-decoding (Alg. 2): the first output token T_1 attends ``C'`` alone; its output is the first
+  speculative token T'_2, and ``K_1 = ArgTopK(A)`` of its attention starts the first prefetch. T_1's
+  KV is not stored here: it is stored by the first decode step, which processes T_1 again;
+- decoding (Alg. 3): step t runs ``[T_t, T'_{t+1}]`` in one forward,
+  ``O = Attn([T_t, T'_{t+1}], C' U C_{K_t})``, where ``C' U C_{K_t}`` is ``C'`` with its rows
+  ``K_t`` replaced by the prefetched FP16 rows. ``K_{t+1} = ArgTopK(A_{1,:})``, the speculative
+  row's attention, is prefetched for step t+1. T_t's output is the model's output T_{t+1}; T'_{t+1}'s
+  output is the next speculative token. Only T_t's KV is stored and offloaded; the speculative
+  token's KV is dropped, and the causal mask keeps T_t from attending to it.
+
+``speculative=false`` is the non-speculative fetch of Table 4: each decode token first attends the
+low-bit cache, its own top-k are fetched (synchronously) and its attention is recomputed over
+``C' U C_K``; no pre-decoding and one token per forward.
+
+Choices the paper leaves open, made here:
+
+- top-k is taken per KV head over the attention probabilities summed across the query heads that
+  share it (grouped-query attention), among the stored tokens whose keys are low-bit (tokens in the
+  FP16 key residual are already exact on the accelerator);
+- the scores are those of Alg. 3's attention, i.e. over ``C' U C_{K_t}`` plus the forward's own
+  tokens; when k covers every candidate, ``C' U C_K`` is the FP16 cache;
+- forwards outside the decode driver (scoring a continuation through the cache) store every token,
+  attend ``C' U C_K`` with the set chosen by the previous forward's last query, and choose the next
+  set from their own last query; the first forward after the prompt attends ``C'`` alone.
+
+Transfers: with CUDA, the host store is pinned and each prefetch is copied on a side stream, which the
+next forward waits on before substituting; the top-k indices go to the host first (a small
+synchronising copy) because the rows are gathered there. Offloading new tokens is a plain copy.
+Without CUDA the same logic runs synchronously on the CPU, host and "device" both being host memory.
+
+Accounting: :meth:`SpeCacheLayer.held_tensors` is what the accelerator holds (codes, scales, zeros,
+residual, the current prefetched rows); :meth:`SpeCacheLayer.host_tensors` the FP16 host store.
+Defaults (Sec. 5): k = 64, R = 64 (KIVI's 128 less the 64 prefetched, so the accelerator holds as
+much FP16 as KIVI), G = 32, 1 bit with SpeCache's zero point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbench.cache import KVBenchCache
+from kvbench.cache.layer import cat_tokens, merge_held
+from kvbench.config import require
+from kvbench.methods.base import Method, register_method
+from kvbench.methods.kivi import KIVIConfig, KIVILayer
+
+# Host buffers grow by this many tokens past the prompt, so that decoding reallocates rarely; the
+# spare capacity is held memory and is accounted.
+HOST_BLOCK = 64
+
+
+@dataclass
+class SpeCacheConfig(KIVIConfig):
+    name: str = "specache"
+    topk: int = 64
+    residual: int = 64
+    zero_point: str = "specache"
+    speculative: bool = True
+
+    default_bits: ClassVar[float] = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        require(
+            isinstance(self.topk, int) and not isinstance(self.topk, bool) and self.topk >= 0,
+            "method.topk",
+            self.topk,
+            "a token count >= 0 (0: no prefetch, the low-bit cache alone)",
+        )
+        require(isinstance(self.speculative, bool), "method.speculative", self.speculative, "true or false")
+        require(
+            self.backend == "torch",
+            "method.backend",
+            self.backend,
+            "torch (specache attends through its own substitution path)",
+        )
+        require(
+            self.sink_tokens == 0,
+            "method.sink_tokens",
+            self.sink_tokens,
+            "0 (specache keeps every token in full precision on the host and fetches what it needs)",
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the next forward does in every layer.
+
+    ``store``: how many of the forward's tokens are stored (None: all; the speculative token is
+    never stored). ``select``: the query row whose attention chooses the next prefetch (None: none).
+    ``use_fetched``: attend ``C' U C_K`` with the current prefetched set, else ``C'`` alone.
+    ``exact``: Table 4's non-speculative fetch: attend ``C'``, fetch the ``select`` row's own top-k,
+    and recompute attention over ``C' U C_K``.
+    """
+
+    store: int | None = None
+    select: int | None = -1
+    use_fetched: bool = True
+    exact: bool = False
+
+
+PRE_DECODE = Plan(store=0, select=0, use_fetched=False)
+SPECULATIVE_STEP = Plan(store=1, select=1, use_fetched=True)
+EXACT = Plan(store=None, select=-1, use_fetched=False, exact=True)
+
+
+class HostTokens:
+    """FP16 tokens ``[B, H_kv, T, D]`` in host memory (pinned when CUDA exists), in a buffer that
+    holds the prompt exactly and grows by :data:`HOST_BLOCK` tokens during decoding."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.buf: torch.Tensor | None = None
+        self.n = 0
+        self.pin = torch.cuda.is_available()
+
+    def _alloc(self, shape) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=self.pin)
+
+    def append(self, x: torch.Tensor) -> None:
+        t = x.shape[-2]
+        if t == 0:
+            return
+        need = self.n + t
+        if self.buf is None or need > self.buf.shape[-2]:
+            cap = need if self.buf is None else need + HOST_BLOCK
+            grown = self._alloc((*x.shape[:-2], cap, x.shape[-1]))
+            if self.n:
+                grown[..., : self.n, :].copy_(self.buf[..., : self.n, :])
+            self.buf = grown
+        self.buf[..., self.n : need, :].copy_(x.to(self.dtype))
+        self.n = need
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows ``idx [B, H_kv, k]`` (host, int64) of every head: ``[B, H_kv, k, D]`` on the host."""
+        index = idx[..., None].expand(*idx.shape, self.buf.shape[-1])
+        out = self._alloc(index.shape)
+        return torch.gather(self.buf[..., : self.n, :], 2, index, out=out)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.buf is None else [self.buf]
+
+
+def grouped_attention(query, keys, values, attention_mask, scaling):
+    """Softmax attention that also returns its probabilities.
+
+    ``query [B, H, q, D]``, ``keys/values [B, H_kv, S, D]``, the last q keys being the query tokens
+    themselves (causal among them). Returns the output ``[B, q, H, D]`` (transformers' layout) in the
+    query's dtype and float32 probabilities ``[B, H_kv, H // H_kv, q, S]``.
+    """
+    b, h, q, d = query.shape
+    h_kv, s = keys.shape[1], keys.shape[-2]
+    rep = h // h_kv
+    qg = query.float().reshape(b, h_kv, rep * q, d)
+    scores = (qg @ keys.float().transpose(-1, -2) * scaling).view(b, h_kv, rep, q, s)
+    rows = torch.arange(q, device=scores.device)[:, None]
+    cols = torch.arange(s, device=scores.device)[None, :]
+    allowed = cols <= s - q + rows  # [q, S]
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        allowed = allowed & attention_mask[:, :, None, :, -s:]  # [B, 1, 1, q, S]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        scores = scores + attention_mask[:, :, None, :, -s:].float()
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs.view(b, h_kv, rep * q, s) @ values.float()).view(b, h, q, d)
+    return out.transpose(1, 2).contiguous().to(query.dtype), probs
+
+
+class SpeCacheLayer(KIVILayer):
+    """KIVI storage on the accelerator, the FP16 cache on the host, and the prefetched rows."""
+
+    def __init__(self, layer_idx, cfg: SpeCacheConfig, fp_dtype):
+        super().__init__(layer_idx, cfg, fp_dtype)
+        self.topk = cfg.topk
+        self.default_plan = Plan() if cfg.speculative else EXACT
+        self.plan = self.default_plan
+        self.host_k, self.host_v = HostTokens(fp_dtype), HostTokens(fp_dtype)
+        # The prefetched set: indices [B, H_kv, k] and FP16 rows [B, H_kv, k, D] on the accelerator.
+        self.fetched_idx: torch.Tensor | None = None
+        self.fetched_k: torch.Tensor | None = None
+        self.fetched_v: torch.Tensor | None = None
+        self._ready: torch.cuda.Event | None = None
+        self._stream = None
+        self._past_len = 0  # stored tokens before the current forward
+        self._stored_now = 0  # tokens of the current forward that were stored
+        self.fetches = 0
+        self.fetched_entries = 0  # (token, KV head) pairs moved host -> accelerator
+        self.fetched_bytes = 0
+        self.log: list[torch.Tensor] | None = None  # when a list: every prefetched set attended
+
+    # -- storage ---------------------------------------------------------------------------------
+    def append(self, keys, values):
+        super().append(keys, values)
+        self.host_k.append(keys)
+        self.host_v.append(values)
+
+    def host_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"host_fp": self.host_k.tensors() + self.host_v.tensors()}
+
+    def held_tensors(self):
+        fetched = [t for t in (self.fetched_k, self.fetched_v) if t is not None]
+        return merge_held(super().held_tensors(), {"prefetched": fetched} if fetched else {})
+
+    def prefetch_stats(self) -> tuple[int, int, int]:
+        """(fetch operations, (token, KV head) entries fetched, bytes fetched) so far."""
+        return self.fetches, self.fetched_entries, self.fetched_bytes
+
+    # -- prefetch --------------------------------------------------------------------------------
+    def fetch(self, idx: torch.Tensor, asynchronous: bool) -> None:
+        """Bring the host's FP16 rows ``idx [B, H_kv, k]`` to the accelerator as the prefetched set."""
+        rows_k = self.host_k.gather(idx.to("cpu"))
+        rows_v = self.host_v.gather(idx.to("cpu"))
+        device = self.device
+        if device.type == "cuda" and asynchronous:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(self._stream):
+                fk = rows_k.to(device, non_blocking=True)
+                fv = rows_v.to(device, non_blocking=True)
+                self._ready = torch.cuda.Event()
+                self._ready.record(self._stream)
+            # allocated on the side stream, used on the compute stream
+            fk.record_stream(torch.cuda.current_stream(device))
+            fv.record_stream(torch.cuda.current_stream(device))
+        else:
+            fk, fv = rows_k.to(device), rows_v.to(device)
+            self._ready = None
+        self.fetched_idx, self.fetched_k, self.fetched_v = idx.to(device), fk, fv
+        self.fetches += 1
+        self.fetched_entries += idx.numel()
+        self.fetched_bytes += fk.numel() * fk.element_size() + fv.numel() * fv.element_size()
+
+    def substitute(self, past_k: torch.Tensor, past_v: torch.Tensor):
+        """``C' U C_K``: the low-bit past ``[B, H_kv, S, D]`` with the prefetched rows put back."""
+        if self._ready is not None:
+            torch.cuda.current_stream().wait_event(self._ready)
+            self._ready = None
+        if self.log is not None:
+            self.log.append(self.fetched_idx.clone())
+        index = self.fetched_idx[..., None].expand(*self.fetched_idx.shape, past_k.shape[-1])
+        past_k = past_k.float().scatter(2, index, self.fetched_k.float())
+        past_v = past_v.float().scatter(2, index, self.fetched_v.float())
+        return past_k, past_v
+
+    def select(self, probs: torch.Tensor, row: int, candidates: int) -> torch.Tensor | None:
+        """``ArgTopK`` of query row ``row``: ``probs [B, H_kv, rep, q, S]`` summed over the query heads
+        of each KV head, among the first ``candidates`` tokens. Returns ``[B, H_kv, k]`` or None."""
+        k = min(self.topk, candidates)
+        if k <= 0:
+            return None
+        score = probs[:, :, :, row, :candidates].sum(dim=2)
+        return score.topk(k, dim=-1).indices
+
+    # -- transformers' cache update and attention ------------------------------------------------
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        plan = self.plan
+        self._past_len = self.num_tokens
+        if self.num_tokens:
+            past_k, past_v = self.read()
+            if plan.use_fetched and self.fetched_idx is not None:
+                past_k, past_v = self.substitute(past_k, past_v)
+            keys = torch.cat([past_k.to(key_states.dtype), key_states], dim=-2)
+            values = torch.cat([past_v.to(value_states.dtype), value_states], dim=-2)
+        else:
+            keys, values = key_states, value_states
+        n = key_states.shape[-2] if plan.store is None else min(plan.store, key_states.shape[-2])
+        if n:
+            self.append(key_states[..., :n, :], value_states[..., :n, :])
+        self._stored_now = n
+        self.num_tokens += n
+        return keys, values
+
+    def attend(self, module, query, keys, values, attention_mask, **kwargs):
+        plan = self.plan
+        if not self._past_len or self.topk == 0 or (plan.select is None and not plan.exact):
+            # nothing to choose: the prompt attends itself exactly, k = 0 is C' alone, and a plan
+            # without selection attends what update() already substituted
+            return super().attend(module, query, keys, values, attention_mask, **kwargs)
+        scaling = kwargs.get("scaling") or module.scaling
+        out, probs = grouped_attention(query, keys, values, attention_mask, scaling)
+        row = plan.select
+        if plan.exact:
+            idx = self.select(probs, row, min(len(self.kq), self._past_len))
+            if idx is None:
+                return out, None
+            self.fetch(idx, asynchronous=False)
+            past_k, past_v = self.substitute(keys[..., : self._past_len, :], values[..., : self._past_len, :])
+            keys = cat_tokens(past_k, keys[..., self._past_len :, :].float()).to(keys.dtype)
+            values = cat_tokens(past_v, values[..., self._past_len :, :].float()).to(values.dtype)
+            out, _ = grouped_attention(query, keys, values, attention_mask, scaling)
+            return out, None
+        if row is not None:
+            idx = self.select(probs, row, min(len(self.kq), self._past_len + self._stored_now))
+            if idx is not None:
+                self.fetch(idx, asynchronous=True)
+        return out, None
+
+
+class SpeCacheCache(KVBenchCache):
+    """The layers plus the decode driver's state: the pending speculative token."""
+
+    def __init__(self, layers):
+        super().__init__(layers)
+        self.speculative: int | None = None
+
+    def set_plan(self, plan: Plan | None) -> None:
+        for layer in self.layers:
+            layer.plan = layer.default_plan if plan is None else plan
+
+
+@register_method("specache")
+class SpeCache(Method):
+    Config = SpeCacheConfig
+
+    def make_layer(self, layer_idx, shape, model_dtype):
+        return SpeCacheLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+
+    def new_cache(self, shape, model_dtype) -> SpeCacheCache:
+        return SpeCacheCache([self.make_layer(i, shape, model_dtype) for i in range(shape.num_layers)])
+
+    def decode_step(self, runner, cache: SpeCacheCache, input_ids: torch.Tensor) -> torch.Tensor:
+        """One step of the generate loop (:meth:`ModelRunner.generate`'s method hook).
+
+        ``input_ids [1, 1]`` is the output token T_t just chosen; returns the float32 logits
+        ``[1, 1, vocab]`` of T_t, whose argmax is T_{t+1}. Speculative: the first call runs
+        pre-decoding (T_1 alone over ``C'``), then every call runs ``[T_t, T'_{t+1}]`` and keeps the
+        speculative row's argmax as T'_{t+2}. Non-speculative: one exact-fetch forward of T_t.
+        """
+        if not self.config.speculative:
+            return runner.forward(input_ids, cache)
+        try:
+            if cache.speculative is None:
+                cache.set_plan(PRE_DECODE)
+                cache.speculative = int(runner.forward(input_ids, cache)[0, -1].argmax())
+            cache.set_plan(SPECULATIVE_STEP)
+            pair = torch.cat([input_ids.cpu(), torch.tensor([[cache.speculative]])], dim=1)
+            logits = runner.forward(pair, cache)
+        finally:
+            cache.set_plan(None)
+        cache.speculative = int(logits[0, 1].argmax())
+        return logits[:, :1]
+
+    def base_label(self) -> str:
+        c = self.config
+        bits = f"{c.key_bits:g}b" if c.key_bits == c.value_bits else f"k{c.key_bits:g}v{c.value_bits:g}"
+        zp = "-minmax" if c.zero_point == "minmax" and 1.0 in (c.key_bits, c.value_bits) else ""
+        return f"specache-{bits}{zp}-k{c.topk}" + ("" if c.speculative else "-exact")
