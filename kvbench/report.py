@@ -60,10 +60,12 @@ def _save_optional(name: str, frame: pd.DataFrame, folder: Path, say) -> list[Pa
     """Run an optional figure function (NIAH heatmap, hit-rate curves); a missing module or
     function is a note, a failure inside it a warning: neither stops the report."""
     func = figures.optional_figure(name)
-    module, func_name = figures.OPTIONAL_FIGURES[name]
+    module, func_names = figures.OPTIONAL_FIGURES[name]
     if func is None:
-        say(f"note: {module}.{func_name} is not available; {name} skipped")
+        names = func_names if isinstance(func_names, str) else "/".join(func_names)
+        say(f"note: {module}.{names} is not available; {name} skipped")
         return []
+    func_name = func.__name__
     try:
         result = func(frame)
     except Exception as err:  # another module's figure must not take the whole report down
