@@ -95,7 +95,8 @@ def report_unit(
     metric = plan["metric"]
     if metric not in frame.columns:
         raise ReportError(f"analysis.metric={metric}: not a per-sample column of {task} runs")
-    means = tables.config_means(frame, metric, float(plan["alpha"]), n_resamples, seed)
+    grid_key = plan.get("grid_key") or "bits"
+    means = tables.config_means(frame, metric, float(plan["alpha"]), n_resamples, seed, grid_key)
     _write_table(means, folder / "means")
     notes = []
     if (frame["method"] == plan["reference"]).any():
@@ -103,12 +104,14 @@ def report_unit(
     else:
         paired = pd.DataFrame()
         notes.append(f"no runs of the reference {plan['reference']!r}: no paired comparisons")
-    cliff = tables.cliff_table(paired)
+    cliff = tables.cliff_table(paired, "bits" if grid_key == "bits" else "grid_value")
+    if paired.attrs.get("unpaired"):
+        notes.append(f"no sample pairs with the reference, left out: {', '.join(paired.attrs['unpaired'])}")
     _write_table(paired, folder / "paired")
     _write_table(cliff, folder / "cliff")
     figs = [
         figures.save(
-            figures.cliff_map(means, paired, plan["reference"], metric, f"{task} / {model}"),
+            figures.cliff_map(means, paired, plan["reference"], metric, f"{task} / {model}", grid_key),
             folder / "cliff_map.png",
         ),
         figures.save(

@@ -35,25 +35,27 @@ def cliff_map(
     reference: str = "fp16",
     metric: str = "score",
     title: str | None = None,
+    grid_key: str = "bits",
 ) -> Figure:
-    """Score against code bits for every method family with a bit grid, with ``1 - alpha``
-    bootstrap intervals; the reference's mean and interval as a horizontal band; each family's
-    cliff bracket (``locate_cliff`` on the paired verdicts) shaded between the first bad and the
+    """Score against code bits (or the plan's other grid key) for every method family with a grid,
+    with ``1 - alpha`` bootstrap intervals; the reference's mean and interval as a horizontal band;
+    each family's cliff bracket (``locate_cliff`` on the paired verdicts) shaded between the first bad and the
     last ok bit width; the runaway rate on a second y axis (dashed).
 
     ``means`` is ``config_means`` output, ``paired`` is ``paired_table`` output for the same frame.
     """
     fig, ax = plt.subplots(figsize=(7, 4.5))
     twin = ax.twinx()
-    grid = means.dropna(subset=["bits"])
-    cliffs = cliff_table(paired).set_index("family") if not paired.empty else pd.DataFrame()
+    x = "bits" if grid_key == "bits" else "grid_value"
+    grid = means.dropna(subset=[x])
+    cliffs = cliff_table(paired, x).set_index("family") if not paired.empty else pd.DataFrame()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (family, group) in enumerate(grid.groupby("family", sort=True)):
-        group = group.sort_values("bits")
+        group = group.sort_values(x)
         color = colors[i % len(colors)]
         _errorbar(
             ax,
-            group["bits"],
+            group[x],
             group["mean"],
             group["ci_low"],
             group["ci_high"],
@@ -62,9 +64,9 @@ def cliff_map(
             label=family,
         )
         if group["runaway_rate"].notna().any():
-            twin.plot(group["bits"], group["runaway_rate"], ls="--", marker="x", color=color, alpha=0.7)
+            twin.plot(group[x], group["runaway_rate"], ls="--", marker="x", color=color, alpha=0.7)
         if family in cliffs.index and cliffs.loc[family, "interval"] is not None:
-            lo, hi = cliffs.loc[family, "first_bad_bits"], cliffs.loc[family, "last_ok_bits"]
+            lo, hi = cliffs.loc[family, "first_bad"], cliffs.loc[family, "last_ok"]
             ax.axvspan(lo, hi, color=color, alpha=0.12)
             ax.annotate(
                 f"cliff {cliffs.loc[family, 'interval']}",
@@ -80,7 +82,7 @@ def cliff_map(
         ax.axhline(r["mean"], color="black", lw=1, label=f"{reference} (reference)")
         if not (math.isnan(r["ci_low"]) or math.isnan(r["ci_high"])):
             ax.axhspan(r["ci_low"], r["ci_high"], color="black", alpha=0.08)
-    ax.set_xlabel("code bits per value")
+    ax.set_xlabel("code bits per value" if grid_key == "bits" else grid_key)
     ax.set_ylabel(f"{metric} (mean, bootstrap CI)")
     twin.set_ylabel("runaway rate (dashed)")
     twin.set_ylim(-0.02, 1.02)

@@ -8,11 +8,12 @@ generated tokens, the task's ``max_new_tokens``) and the per-sample memory accou
 ``samples.jsonl``; ``metrics.json`` is optional (an unfinished run contributes its finished rows
 and ``finished`` is False).
 
-The same (task, model, method label, seed) can be stored under several run ids when a config
-changed in a way the label does not show (a new knob with its default value, for example).
-Pairing needs one row per (sample_id, seed) per method, so ``load_frame`` keeps, for each such
-key, the run with the most samples and, among equals, the most recently written one; the others
-are listed in ``frame.attrs["superseded"]`` so a report can say what it left out.
+The same method label can be stored under several run ids: when a knob was added later (the
+old run lacks it, the new one holds its default), which is the same configuration run twice, or
+when an experiment's arms differ in a knob the label does not show, which are different
+configurations. ``load_frame`` tells them apart by comparing the runs' method and task nodes on
+the keys they share (see ``load_frame``): pairing needs exactly one row per (sample_id, seed) per
+configuration.
 """
 
 from __future__ import annotations
@@ -145,25 +146,87 @@ def run_folders(root: str | Path) -> list[Path]:
     return sorted({p.parent for p in root.rglob("config.json") if (p.parent / "samples.jsonl").exists()})
 
 
+def _flat(node: Any, prefix: str) -> dict[str, str]:
+    """A config node as ``{"method.key_axis": json value}`` (lists and scalars as JSON text)."""
+    if isinstance(node, dict):
+        out: dict[str, str] = {}
+        for key, value in node.items():
+            out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: json.dumps(node, sort_keys=True, default=str)}
+
+
+def _agree(a: dict[str, str], b: dict[str, str]) -> bool:
+    """Two flattened configs describe the same configuration when every key they share has the same
+    value: a key only one of them has is a knob added later with its default, not a difference."""
+    return all(a[k] == b[k] for k in a.keys() & b.keys())
+
+
+def _grid_value(config: dict[str, Any], grid_key: str) -> Any:
+    """The value of the plan's grid key (``bits`` or a dotted path such as ``method.topk``)."""
+    node: Any = config
+    for part in str(grid_key).split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
 def load_frame(root: str | Path) -> pd.DataFrame:
     """One row per sample per run under ``root`` (see the module docstring); empty if none.
 
-    Rows are sorted by task, model, method, seed and sample id. ``frame.attrs["superseded"]``
-    lists the folders left out because a fuller or newer run of the same configuration exists.
+    Runs are grouped by (task, model, experiment, method label). Within a group, runs whose method
+    and task configs agree on every shared key are one configuration; of its runs, each seed keeps
+    the one with the most rows (then the newest), and ``frame.attrs["superseded"]`` lists the
+    others. Distinct configurations under one label (arms that differ in a knob the label does not
+    show, e.g. ``uniform`` with per-token or per-channel keys) get the differing knobs appended:
+    ``uniform-2b[key_axis=token]``. ``grid_value`` holds the value of the plan's ``grid_key``.
+    Rows are sorted by task, model, method, seed and sample id.
     """
-    by_key: dict[tuple, list[tuple[list, dict]]] = {}
+    groups_: dict[tuple, list[dict[str, Any]]] = {}
     for folder in run_folders(root):
         rows, summary = _run_rows(folder)
         if not rows:
             continue
+        config = _read_json(folder / "config.json") or {}
         first = rows[0]
-        key = (first["task"], first["model"], first["method"], first["seed"], first["experiment"])
-        by_key.setdefault(key, []).append((rows, summary))
+        summary.update(
+            rows=rows,
+            seed=first["seed"],
+            flat={**_flat(config.get("method") or {}, "method"), **_flat(config.get("task") or {}, "task")},
+            grid_value=_grid_value(config, first["plan_grid_key"]),
+        )
+        key = (first["task"], first["model"], first["experiment"] or "", first["method"])
+        groups_.setdefault(key, []).append(summary)
     kept, superseded = [], []
-    for candidates in by_key.values():
-        candidates.sort(key=lambda c: (c[1]["n_rows"], c[1]["mtime"]), reverse=True)
-        kept.extend(candidates[0][0])
-        superseded.extend(c[1]["folder"] for c in candidates[1:])
+    for runs in groups_.values():
+        runs.sort(key=lambda r: (r["n_rows"], r["mtime"]), reverse=True)
+        clusters: list[list[dict[str, Any]]] = []
+        for run in runs:
+            home = next((c for c in clusters if _agree(c[0]["flat"], run["flat"])), None)
+            if home is None:
+                clusters.append([run])
+            else:
+                home.append(run)
+        shared = set.intersection(*(set(c[0]["flat"]) for c in clusters))
+        differing = sorted(k for k in shared if len({c[0]["flat"][k] for c in clusters}) > 1)
+        for cluster in clusters:
+            suffix = ""
+            if len(clusters) > 1:
+                parts = [
+                    f"{k.removeprefix('method.')}={json.loads(cluster[0]['flat'][k])}" for k in differing
+                ]
+                suffix = "[" + ",".join(parts) + "]"
+            seen_seeds: set[int] = set()
+            for run in cluster:
+                if run["seed"] in seen_seeds:
+                    superseded.append(run["folder"])
+                    continue
+                seen_seeds.add(run["seed"])
+                for row in run["rows"]:
+                    row["method"] += suffix
+                    row["grid_value"] = run["grid_value"]
+                    kept.append(row)
     frame = pd.DataFrame(kept)
     if not frame.empty:
         frame = frame.sort_values(["task", "model", "method", "seed", "sample_id"], kind="stable")

@@ -30,6 +30,7 @@ MEANS_COLUMNS = [
     "method",
     "family",
     "bits",
+    "grid_value",
     "n",
     "seeds",
     "mean",
@@ -41,12 +42,18 @@ MEANS_COLUMNS = [
 ]
 
 
-def method_family(label: str, bits: float) -> str:
-    """The method label without its bit width: ``kivi-2b`` -> ``kivi``,
-    ``kivi-1b-specache0`` -> ``kivi-specache0``; a grid of one family differs only in bits."""
-    if bits is None or (isinstance(bits, float) and math.isnan(bits)):
+def method_family(label: str, value: float, grid_key: str = "bits") -> str:
+    """The method label without its grid value, so that a grid of one family differs only there:
+    ``kivi-2b`` -> ``kivi``, ``kivi-1b-specache0`` -> ``kivi-specache0`` (grid key ``bits``);
+    ``specache-1b-k16`` -> ``specache-1b`` (grid key ``method.topk``, value 16). An arm suffix
+    (``[key_axis=token]``) is kept."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
         return label
-    return re.sub(rf"-{re.escape(f'{bits:g}')}b(?=-|$)", "", label, count=1)
+    if grid_key == "bits":
+        return re.sub(rf"-{re.escape(f'{value:g}')}b(?=[-\[]|$)", "", label, count=1)
+    # Any "-"-separated token of the label that carries the value as a whole number.
+    number = rf"(?<![\d.]){re.escape(f'{value:g}')}(?![\d.])"
+    return re.sub(rf"-[^-\[]*{number}[^-\[]*(?=[-\[]|$)", "", label, count=1)
 
 
 def _runaway(group: pd.DataFrame) -> float:
@@ -65,7 +72,12 @@ def _runaway(group: pd.DataFrame) -> float:
 
 
 def config_means(
-    frame: pd.DataFrame, metric: str, alpha: float = 0.05, n_resamples: int = 10_000, seed: int = 0
+    frame: pd.DataFrame,
+    metric: str,
+    alpha: float = 0.05,
+    n_resamples: int = 10_000,
+    seed: int = 0,
+    grid_key: str = "bits",
 ) -> pd.DataFrame:
     """One row per configuration (method label, bits): n values (samples x seeds), number of seeds,
     mean of ``metric``, its percentile bootstrap ``1 - alpha`` interval (resampling the n values),
@@ -83,11 +95,13 @@ def config_means(
             if values.size
             else (math.nan, math.nan)
         )
+        grid = _col_mean(group, "grid_value") if grid_key != "bits" else bits
         rows.append(
             {
                 "method": method,
-                "family": method_family(method, bits),
+                "family": method_family(method, grid, grid_key),
                 "bits": bits,
+                "grid_value": grid,
                 "n": int(values.size),
                 "seeds": int(group["seed"].nunique()),
                 "mean": float(values.mean()) if values.size else math.nan,
@@ -142,6 +156,13 @@ def paired_table(
     hib = plan.get("higher_is_better")
     hib = higher_is_better(metric) if hib is None else bool(hib)
     data = frame.dropna(subset=[metric])
+    ref_keys = set(zip(*(data.loc[data["method"] == reference, c] for c in PAIR_KEYS), strict=True))
+    shares = {
+        m: bool(ref_keys & set(zip(*(g[c] for c in PAIR_KEYS), strict=True)))
+        for m, g in data.groupby("method")
+    }
+    unpaired = sorted(m for m, ok in shares.items() if not ok and m != reference)
+    data = data[~data["method"].isin(unpaired)]
     out = compare(
         data,
         metric,
@@ -155,6 +176,7 @@ def paired_table(
         missing="intersect",
     )
     if out.empty:
+        out.attrs["unpaired"] = unpaired
         return out
     ref_rows = data[data["method"] == reference]
     ref_pairs = _pairs(ref_rows, metric)
@@ -171,13 +193,28 @@ def paired_table(
             p_mcnemar.append(mcnemar_test(m, r)[1])
         else:
             p_mcnemar.append(math.nan)
-    out.insert(1, "family", [method_family(m, b) for m, b in zip(out["method"], out["bits"], strict=True)])
+    grid_key = plan.get("grid_key") or "bits"
+    if grid_key == "bits":
+        grid = out["bits"].astype(float)
+    else:
+        by_method = data.groupby("method")["grid_value"].first() if "grid_value" in data else pd.Series()
+        grid = pd.to_numeric(out["method"].map(by_method), errors="coerce").astype(float)
+    out.insert(1, "family", [method_family(m, g, grid_key) for m, g in zip(out["method"], grid, strict=True)])
+    out.insert(3, "grid_value", grid.to_numpy())
     out["n_missing"] = n_missing
     out["margin"] = margin if margin is not None else math.nan
     out["equivalent"] = [None if margin is None else bool(p < alpha) for p in out["tost_p"]]
     out["p_mcnemar"] = p_mcnemar
     out["p_mcnemar_holm"] = holm(np.asarray(p_mcnemar, dtype=float), alpha)[0]
-    out.attrs.update({"metric": metric, "reference": reference, "higher_is_better": hib, "alpha": alpha})
+    out.attrs.update(
+        {
+            "metric": metric,
+            "reference": reference,
+            "higher_is_better": hib,
+            "alpha": alpha,
+            "unpaired": unpaired,
+        }
+    )
     return out
 
 
@@ -187,43 +224,33 @@ def _same_bits(column: pd.Series, bits: float) -> pd.Series:
     return column == bits
 
 
-def cliff_table(paired: pd.DataFrame) -> pd.DataFrame:
-    """The cliff bracket of every method family with two or more bit widths in ``paired``:
-    family, grid (bits, high to low), verdicts along it, last_ok_bits, first_bad_bits, interval,
-    non_monotone (see ``kvbench.stats.Cliff``)."""
+CLIFF_COLUMNS = ["family", "grid", "verdicts", "last_ok", "first_bad", "interval", "non_monotone"]
+
+
+def cliff_table(paired: pd.DataFrame, grid_col: str = "bits") -> pd.DataFrame:
+    """The cliff bracket of every method family with two or more grid points in ``paired``
+    (``grid_col``: ``bits``, or ``grid_value`` for another grid key): family, grid (high to low),
+    verdicts along it, last_ok, first_bad, interval, non_monotone (see ``kvbench.stats.Cliff``)."""
     rows = []
     if paired.empty:
-        return pd.DataFrame(
-            columns=[
-                "family",
-                "grid",
-                "verdicts",
-                "last_ok_bits",
-                "first_bad_bits",
-                "interval",
-                "non_monotone",
-            ]
-        )
-    for family, group in paired.dropna(subset=["bits"]).groupby("family", sort=True):
-        if group["bits"].nunique() < 2:
+        return pd.DataFrame(columns=CLIFF_COLUMNS)
+    for family, group in paired.dropna(subset=[grid_col]).groupby("family", sort=True):
+        if group[grid_col].nunique() < 2 or group[grid_col].duplicated().any():
             continue
-        group = group.sort_values("bits", ascending=False)
-        cliff = locate_cliff(group, bits_col="bits", verdict_col="verdict")
+        group = group.sort_values(grid_col, ascending=False)
+        cliff = locate_cliff(group, bits_col=grid_col, verdict_col="verdict")
         rows.append(
             {
                 "family": family,
-                "grid": " ".join(f"{b:g}" for b in group["bits"]),
+                "grid": " ".join(f"{b:g}" for b in group[grid_col]),
                 "verdicts": " ".join(group["verdict"]),
-                "last_ok_bits": cliff.last_ok_bits,
-                "first_bad_bits": cliff.first_bad_bits,
+                "last_ok": cliff.last_ok_bits,
+                "first_bad": cliff.first_bad_bits,
                 "interval": cliff.interval,
                 "non_monotone": cliff.non_monotone,
             }
         )
-    return pd.DataFrame(
-        rows,
-        columns=["family", "grid", "verdicts", "last_ok_bits", "first_bad_bits", "interval", "non_monotone"],
-    )
+    return pd.DataFrame(rows, columns=CLIFF_COLUMNS)
 
 
 def to_markdown(table: pd.DataFrame, digits: int = 4) -> str:

@@ -88,7 +88,7 @@ def test_cliff_table_brackets_the_grid(frame):
     paired = paired_table(frame, plan_of(frame), n_resamples=500)
     cliff = cliff_table(paired).set_index("family")
     assert cliff.loc["uniform", "interval"] == "(2, 3]"
-    assert cliff.loc["uniform", "last_ok_bits"] == 3.0 and cliff.loc["uniform", "first_bad_bits"] == 2.0
+    assert cliff.loc["uniform", "last_ok"] == 3.0 and cliff.loc["uniform", "first_bad"] == 2.0
     assert cliff.loc["uniform", "grid"] == "4 3 2"
 
 
@@ -117,3 +117,50 @@ def test_helpers():
     md = to_markdown(table).splitlines()
     assert md[0] == "| name | p | x | ok | m |"
     assert md[2] == "| a\\|b | 1.50e-07 | 0.1235 | yes | - |"
+
+
+def test_arms_sharing_a_label_stay_apart_and_grid_key_follows_the_plan(tmp_path):
+    from kvbench.results import RunFolder, run_id
+
+    plan = {"name": "arms", "reference": "fp16", "metric": "score", "grid_key": "method.topk", "margin": 0.1}
+    arms = [  # (method node, per-sample score); the two uniform arms share the label uniform-2b
+        (None, 1.0),
+        ({"name": "uniform", "bits": 2, "key_axis": "token"}, 0.0),
+        ({"name": "uniform", "bits": 2, "key_axis": "channel"}, 1.0),
+        ({"name": "specache", "bits": 1, "topk": 16}, 1.0),
+        ({"name": "specache", "bits": 1, "topk": 0}, 0.0),
+    ]
+    for node, value in arms:
+        config = {
+            "task": {"name": "niah"},
+            "model": {"name": "m"},
+            "method": node,
+            "seed": 0,
+            "analysis": plan,
+        }
+        name = "fp16" if node is None else node["name"]
+        lab = (
+            name
+            if node is None
+            else f"{name}-{node['bits']}b" + (f"-k{node['topk']}" if "topk" in node else "")
+        )
+        folder = RunFolder(tmp_path / lab / run_id(config))
+        folder.write_config({**config, "run_id": run_id(config)})
+        for i in range(10):  # 10 pairs: exact sign-flip p = 2/1024, below 0.05 after Holm over 4
+            folder.append({"sample_id": f"x{i}", "seed": 0, "method": lab, "score": value, "task": "niah"})
+    frame = load_frame(tmp_path)
+    assert sorted(frame["method"].unique()) == [
+        "fp16",
+        "specache-1b-k0",
+        "specache-1b-k16",
+        "uniform-2b[key_axis=channel]",
+        "uniform-2b[key_axis=token]",
+    ]
+    assert frame.attrs["superseded"] == []
+    paired = paired_table(frame, plan_of(frame), n_resamples=200).set_index("method")
+    assert paired.loc["uniform-2b[key_axis=token]", "mean_diff"] == -1.0
+    assert paired.loc["uniform-2b[key_axis=channel]", "mean_diff"] == 0.0
+    assert paired.loc["specache-1b-k16", "family"] == "specache-1b"
+    assert paired.loc["specache-1b-k16", "grid_value"] == 16.0
+    cliff = cliff_table(paired, "grid_value").set_index("family")
+    assert cliff.loc["specache-1b", "grid"] == "16 0" and cliff.loc["specache-1b", "first_bad"] == 0.0
