@@ -59,16 +59,29 @@ def _method_names_in(node) -> set[str]:
     return names
 
 
-def experiment_requirements(node: dict) -> dict[str, set[str]]:
-    """The task and method names an experiment node uses: its defaults list, the ``method`` node
-    it sets, and the values of its sweep (``+method: a,b``, ``task: x``, ``method.base.name: y``)."""
-    needs: dict[str, set[str]] = {g: set() for g in REGISTERED_GROUPS}
+def _defaults_choices(node: dict, needs: dict[str, set[str]]) -> None:
+    """Add the task/method choices of a defaults list: ``{'override /task': 'niah'}`` entries and
+    ``'/method/kivi@_here_'`` strings (how an arm inherits a method node)."""
     for entry in node.get("defaults") or []:
         if isinstance(entry, dict):
             for key, value in entry.items():
                 group = _group_choice(str(key))
                 if group and isinstance(value, str):
                     needs[group].add(value)
+        elif isinstance(entry, str) and "/" in entry.strip("/"):
+            group, _, choice = entry.strip("/").partition("@")[0].partition("/")
+            if group in REGISTERED_GROUPS:
+                needs[group].add(choice)
+
+
+def experiment_requirements(node: dict, conf_dir: str = CONF_DIR) -> dict[str, set[str]]:
+    """The task and method names an experiment node uses: its defaults list, the ``method`` node
+    it sets, and the values of its sweep (``+method: a,b``, ``task: x``, ``method.base.name: y``,
+    and arms ``+experiment/arms/NAME@method: a,b``: method nodes under conf/experiment/arms/NAME/,
+    read for the method they inherit and the method nodes inside them such as ``matched_memory``).
+    An arm file that does not exist is reported under the group ``arm``."""
+    needs: dict[str, set[str]] = {g: set() for g in (*REGISTERED_GROUPS, "arm")}
+    _defaults_choices(node, needs)
     needs["method"] |= _method_names_in(node.get("method"))
     params = ((node.get("hydra") or {}).get("sweeper") or {}).get("params") or {}
     for key, value in params.items():
@@ -78,23 +91,34 @@ def experiment_requirements(node: dict) -> dict[str, set[str]]:
             needs[key] |= values
         elif key.startswith("method.") and key.endswith(".name"):
             needs["method"] |= values
+        elif key.endswith("@method"):
+            folder = Path(conf_dir) / key.partition("@")[0]
+            for arm in sorted(values):
+                path = folder / f"{arm}.yaml"
+                if not path.is_file():
+                    needs["arm"].add(str(path.relative_to(conf_dir)))
+                    continue
+                arm_node = OmegaConf.to_container(OmegaConf.load(path))
+                _defaults_choices(arm_node, needs)
+                needs["method"] |= _method_names_in(arm_node)
     return needs
 
 
-def check_experiment(name: str) -> None:
+def check_experiment(name: str, conf_dir: str = CONF_DIR) -> None:
     """Fail with one line when experiment ``name`` uses a task or method that has no config node or is
     not registered, or when its analysis plan is malformed."""
     from kvbench.methods import METHODS
     from kvbench.results import analysis_plan
     from kvbench.tasks import TASKS
 
-    node = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "experiment" / f"{name}.yaml"))
+    node = OmegaConf.to_container(OmegaConf.load(Path(conf_dir) / "experiment" / f"{name}.yaml"))
     registered = {"task": set(TASKS.names()), "method": set(METHODS.names())}
-    missing = []
-    for group, names in experiment_requirements(node).items():
+    needs = experiment_requirements(node, conf_dir)
+    missing = [f"arm conf/{arm} (no such file)" for arm in sorted(needs.pop("arm"))]
+    for group, names in needs.items():
         for choice in sorted(names):
             why = []
-            if not (Path(CONF_DIR) / group / f"{choice}.yaml").is_file():
+            if not (Path(conf_dir) / group / f"{choice}.yaml").is_file():
                 why.append(f"no conf/{group}/{choice}.yaml")
             if choice not in registered[group]:
                 why.append("not registered")
