@@ -210,9 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.claims:
-            from kvbench.analysis.claims import claims_table, load_claims
+            from kvbench.analysis.claims import VERDICTS, claims_table, load_claims
 
-            print(tables.to_markdown(claims_table(load_claims(args.claims_file))), end="")
+            claims = load_claims(args.claims_file)
+            table = claims_table(claims, Path(__file__).resolve().parent.parent / "conf")
+            print(tables.to_markdown(table), end="")
+            counts = table["verdict"].value_counts()
+            print("\n" + "; ".join(f"{v}: {counts.get(v, 0)}" for v in VERDICTS))
+            missing = sorted(
+                {e for e, ok in zip(table["experiment"], table["node"], strict=True) if ok is False}
+            )
+            if missing:
+                print(f"experiment nodes not (yet) in conf/experiment: {', '.join(missing)}")
             return 0
         if args.dir is None:
             raise ReportError("DIR=(missing): give a folder of runs, or --claims")
