@@ -38,7 +38,8 @@ matplotlib.use("Agg")
 import pandas as pd  # noqa: E402
 
 from kvbench.analysis import figures, tables  # noqa: E402
-from kvbench.analysis.frame import groups, load_frame, plan_of  # noqa: E402
+from kvbench.analysis.frame import groups, load_frame  # noqa: E402
+from kvbench.analysis.units import analyze  # noqa: E402
 
 DEFAULT_CLAIMS = Path(__file__).resolve().parent.parent / "results" / "claims.yaml"
 
@@ -91,24 +92,14 @@ def report_unit(
     task, model, experiment = key
     folder = out / _slug(task, model, experiment)
     folder.mkdir(parents=True, exist_ok=True)
-    plan = plan_of(frame)
-    metric = plan["metric"]
-    if metric not in frame.columns:
-        raise ReportError(f"analysis.metric={metric}: not a per-sample column of {task} runs")
-    grid_key = plan.get("grid_key") or "bits"
-    means = tables.config_means(frame, metric, float(plan["alpha"]), n_resamples, seed, grid_key)
-    _write_table(means, folder / "means")
-    notes = []
-    if (frame["method"] == plan["reference"]).any():
-        paired = tables.paired_table(frame, plan, seed=seed, n_resamples=n_resamples)
-    else:
-        paired = pd.DataFrame()
-        notes.append(f"no runs of the reference {plan['reference']!r}: no paired comparisons")
-    cliff = tables.cliff_table(paired, "bits" if grid_key == "bits" else "grid_value")
-    if paired.attrs.get("unpaired"):
-        notes.append(f"no sample pairs with the reference, left out: {', '.join(paired.attrs['unpaired'])}")
-    _write_table(paired, folder / "paired")
-    _write_table(cliff, folder / "cliff")
+    try:
+        unit = analyze((key, frame), seed=seed, n_resamples=n_resamples)
+    except ValueError as err:
+        raise ReportError(f"{task}/{model}: {err}") from None
+    plan, means, paired, cliff, notes = unit.plan, unit.means, unit.paired, unit.cliff, unit.notes
+    metric, grid_key = plan["metric"], unit.grid_key
+    for name, table in (("means", means), ("paired", paired), ("cliff", cliff)):
+        _write_table(table, folder / name)
     figs = [
         figures.save(
             figures.cliff_map(means, paired, plan["reference"], metric, f"{task} / {model}", grid_key),
