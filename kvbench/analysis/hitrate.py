@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -113,6 +114,9 @@ def plot_hitrate(
             sem = line["sem"].fillna(0)
             ax.fill_between(x, line["hit_rate"] - sem, line["hit_rate"] + sem, color=color, alpha=0.15, lw=0)
     ax.set_xscale("log")
+    ticks = sorted(set(table["sparsity"] * 100))
+    ax.set_xticks(ticks, [f"{t:g}%" for t in ticks])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("sparsity k / T (%)")
     ax.set_ylabel("hit rate (share of attention)")
     ax.set_ylim(0, 1.02)

@@ -95,7 +95,7 @@ def causal_probs(
     probability 0. Returns float32 ``[H, M, N]``."""
     kr = keys.float().repeat_interleave(q.shape[0] // keys.shape[0], dim=0)
     logits = (q.float() @ kr.transpose(-1, -2)) * scaling
-    future = torch.arange(keys.shape[1])[None, :] > positions[:, None]  # [M, N]
+    future = torch.arange(keys.shape[1], device=q.device)[None, :] > positions.to(q.device)[:, None]  # [M, N]
     return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
 
 
@@ -137,12 +137,13 @@ def h2o_hit_rates(
     heads, n, _ = q.shape
     kr = keys.float().repeat_interleave(heads // keys.shape[0], dim=0)  # [H, N, D]
     nb = len(budgets)
-    k_cap = torch.tensor(budgets)[:, None]  # [S, 1]
-    r_lim = torch.tensor(recents)[:, None, None]  # [S, 1, 1]
-    score = torch.zeros(nb, heads, n)
-    kept = torch.zeros(nb, heads, n, dtype=torch.bool)
-    pos = torch.arange(n)
-    out = torch.empty(nb, n - start, heads)
+    dev = q.device
+    k_cap = torch.tensor(budgets, device=dev)[:, None]  # [S, 1]
+    r_lim = torch.tensor(recents, device=dev)[:, None, None]  # [S, 1, 1]
+    score = torch.zeros(nb, heads, n, device=dev)
+    kept = torch.zeros(nb, heads, n, dtype=torch.bool, device=dev)
+    pos = torch.arange(n, device=dev)
+    out = torch.empty(nb, n - start, heads, device=dev)
     for b0 in range(0, n, block):
         b1 = min(n, b0 + block)
         logits = (q[:, b0:b1].float() @ kr.transpose(-1, -2)) * scaling  # [H, B, N]
@@ -158,7 +159,7 @@ def h2o_hit_rates(
             # The cache holds min(t+1, k) entries now; after this step it may keep k - 1, so that
             # the next token brings it back to k.
             evict = (t + 1) > (k_cap[:, 0] - 1)  # [S]
-            if bool(evict.any()):
+            if t + 2 > min(budgets):  # any budget full (no device sync)
                 cand = mask & (pos[: t + 1] <= t + 1 - r_lim)
                 victim = score[:, :, : t + 1].masked_fill(~cand, float("inf")).argmin(dim=-1, keepdim=True)
                 still = kept.gather(-1, victim) & ~evict[:, None, None]
@@ -375,7 +376,7 @@ def layer_hit_rates(cap: Captured, layer: int, cfg: HitRateConfig) -> dict[str, 
     m = cfg.decode_positions
     start = n - m
     ks = cfg.budgets()
-    positions = torch.arange(start, n)
+    positions = torch.arange(start, n, device=q.device)
     probs = causal_probs(q[:, start:], keys, positions, scaling)  # [H, M, N]
     exact = topk_hit_rates(probs, probs, ks)  # [S, H, M]
 
@@ -390,7 +391,7 @@ def layer_hit_rates(cap: Captured, layer: int, cfg: HitRateConfig) -> dict[str, 
     s_exact = (sq @ keys.float().repeat_interleave(groups, dim=0).transpose(-1, -2)) * scaling
     own = (sq * cap.spec_keys[layer].float().repeat_interleave(groups, dim=0)).sum(-1) * scaling  # [H, M]
     flushed = cfg.spec_residual * ((positions - 1) // cfg.spec_residual)  # [M] low-bit keys at each t
-    col = torch.arange(n)[None, :]
+    col = torch.arange(n, device=q.device)[None, :]
     spec_scores = torch.where(col < flushed[:, None], s_low, s_exact)
     spec_scores = torch.where(col == positions[:, None], own[:, :, None], spec_scores)
     spec_scores = spec_scores.masked_fill(col > positions[:, None], float("-inf"))
