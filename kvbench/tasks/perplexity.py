@@ -6,11 +6,22 @@ reading all earlier tokens from the stored cache. A quantizing method therefore 
 the usual sliding-window perplexity, which scores the prefill's own logits, would never read the
 quantized cache at all. Only continuation tokens are scored.
 
-Text: WikiText-2 raw test as GPTQ and KIVI use it (``wikitext2/wikitext-test.txt``: rows joined with
-blank lines), or one PG-19 test book (``pg19/<book>.txt``, the Project Gutenberg file, of which the
-body strictly between the ``*** START OF`` and ``*** END OF THE PROJECT GUTENBERG EBOOK`` lines is
-used). Line endings are normalised to LF in both: a stray ``\\r`` per line would add trivially
-predictable tokens and lower the perplexity. The text is tokenized once without special tokens, and
+Text (``dataset``):
+
+- ``wikitext2``: WikiText-2 raw test as GPTQ and KIVI use it (``wikitext2/wikitext-test.txt``:
+  ``"\\n\\n".join(rows)``);
+- ``pg19``: PG-19 test books (``pg19/<book>.txt``, Project Gutenberg files, of which the body strictly
+  between the ``*** START OF`` and ``*** END OF THE PROJECT GUTENBERG EBOOK`` lines is used);
+  ``pg19_book`` names one book, a list of books, or ``all`` (every ``pg19/*.txt``, by number), whose
+  bodies are joined with blank lines in that order;
+- ``c4``: the first ``c4_documents`` documents (GPTQ uses 1100) of the C4 ``en`` validation shard
+  ``c4-validation.00000-of-00008.json.gz`` joined with single spaces, the GPTQ C4 evaluation text.
+  The shard is read from ``<data_root>/c4/`` (``.json.gz`` or ``.json``/``.jsonl``, one JSON object
+  with a ``text`` field per line); without it, from the Hub (``allenai/c4`` through ``datasets``),
+  and a ConfigError says so when the Hub cannot be reached.
+
+Line endings are normalised to LF: a stray ``\\r`` per line would add trivially predictable tokens
+and lower the perplexity. The text is tokenized once without special tokens, and
 window ``i`` is tokens ``[i*W, (i+1)*W)`` with ``W = context_length + continuation_length``: the
 first ``context_length`` are the context, the rest the continuation.
 
@@ -20,6 +31,8 @@ Lower is better. The task's ppl is ``exp`` of the mean nll over every scored tok
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -32,8 +45,10 @@ from kvbench.config import check_choice, is_int, require
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
 
-DATASETS = ("wikitext2", "pg19")
+DATASETS = ("wikitext2", "pg19", "c4")
 WIKITEXT_FILE = "wikitext2/wikitext-test.txt"
+C4_SHARD = "c4-validation.00000-of-00008"
+C4_HUB = ("allenai/c4", f"en/{C4_SHARD}.json.gz")
 
 # Marker lines, with or without a space after the asterisks, "THIS" or "THE"; a marker may wrap
 # onto the next line (10146.txt's does), so the body starts after the line that closes it with "***"
@@ -63,21 +78,96 @@ def gutenberg_body(text: str, source: str = "text") -> str:
     return text[body_start : end.start()]
 
 
-def data_file(data_root: Path, dataset: str, book: str) -> Path:
-    """Where the text lives under the data root; ConfigError naming the file when it is absent."""
-    path = Path(data_root) / (WIKITEXT_FILE if dataset == "wikitext2" else f"pg19/{book}.txt")
-    if not path.is_file():
-        raise ConfigError("data.root", str(data_root), f"missing {path}; `make assets` fetches the data")
-    return path
+def _missing(data_root: Path, path: Path) -> ConfigError:
+    return ConfigError("data.root", str(data_root), f"missing {path}; `make assets` fetches the data")
 
 
-def load_text(data_root: Path, dataset: str, book: str = "10146") -> str:
-    """The evaluation text with LF line endings (for pg19, the book body only)."""
-    path = data_file(data_root, dataset, book)
-    text = path.read_text(encoding="utf-8")
+def pg19_books(data_root: Path, book: str | list[str]) -> list[Path]:
+    """The book files ``book`` names (one id, a list of ids, or ``all``), in that order."""
+    folder = Path(data_root) / "pg19"
+    if book == "all":
+        paths = sorted(folder.glob("*.txt"), key=lambda p: (len(p.stem), p.stem)) if folder.is_dir() else []
+        if not paths:
+            raise _missing(data_root, folder / "*.txt")
+        return paths
+    paths = [folder / f"{b}.txt" for b in ([book] if isinstance(book, str) else book)]
+    for path in paths:
+        if not path.is_file():
+            raise _missing(data_root, path)
+    return paths
+
+
+def c4_local_file(data_root: Path) -> Path | None:
+    """The C4 validation shard under ``<data_root>/c4/``, if present."""
+    folder = Path(data_root) / "c4"
+    for suffix in (".json.gz", ".json", ".jsonl"):
+        path = folder / f"{C4_SHARD}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def read_c4_documents(path: Path, n: int) -> list[str]:
+    """The ``text`` of the first ``n`` documents of a C4 shard (JSON lines, gzipped or not)."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    docs = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                docs.append(json.loads(line)["text"])
+            if len(docs) == n:
+                break
+    return docs
+
+
+def hub_c4_documents(n: int) -> list[str]:
+    """The first ``n`` documents of the validation shard from the Hub (needs a network)."""
+    import datasets
+
+    repo, shard = C4_HUB
+    rows = datasets.load_dataset(repo, data_files={"validation": shard}, split="validation")
+    return list(rows.select(range(min(n, len(rows))))["text"])
+
+
+def c4_documents(data_root: Path, n: int) -> list[str]:
+    """The first ``n`` C4 validation documents: the local shard, else the Hub, else a ConfigError."""
+    local = c4_local_file(data_root)
+    if local is not None:
+        return read_c4_documents(local, n)
+    try:
+        return hub_c4_documents(n)
+    except Exception as err:  # any failure to reach or read the Hub means: no C4 here
+        raise ConfigError(
+            "task.dataset",
+            "c4",
+            f"no {C4_SHARD}.json.gz under {Path(data_root) / 'c4'} and loading {C4_HUB[0]} from the Hub "
+            f"failed ({type(err).__name__}); put the shard there or give the machine Hub access",
+        ) from None
+
+
+def data_file(data_root: Path, dataset: str, book: str | list[str]) -> Path | None:
+    """Check the text is available before any model work; ConfigError naming what is absent. Returns
+    the file for wikitext2, the first book for pg19, the local shard (or None: the Hub) for c4."""
+    if dataset == "wikitext2":
+        path = Path(data_root) / WIKITEXT_FILE
+        if not path.is_file():
+            raise _missing(data_root, path)
+        return path
     if dataset == "pg19":
-        text = gutenberg_body(text, str(path))
-    return to_lf(text)
+        return pg19_books(data_root, book)[0]
+    return c4_local_file(data_root)
+
+
+def load_text(data_root: Path, dataset: str, book: str | list[str] = "10146", c4_docs: int = 1100) -> str:
+    """The evaluation text with LF line endings (for pg19, the book bodies only)."""
+    if dataset == "c4":
+        return to_lf(" ".join(c4_documents(data_root, c4_docs)))
+    if dataset == "pg19":
+        bodies = [
+            to_lf(gutenberg_body(p.read_text(encoding="utf-8"), str(p))) for p in pg19_books(data_root, book)
+        ]
+        return "\n\n".join(bodies)
+    return to_lf(data_file(data_root, dataset, book).read_text(encoding="utf-8"))
 
 
 def split_windows(
@@ -113,7 +203,8 @@ class PerplexityConfig(TaskConfig):
     name: str = "perplexity"
     version: int = 1
     dataset: str = "wikitext2"
-    pg19_book: str = "10146"
+    pg19_book: str | list[str] = "10146"
+    c4_documents: int = 1100
     context_length: int = 512
     continuation_length: int = 64
     windows: int = 4
@@ -122,9 +213,17 @@ class PerplexityConfig(TaskConfig):
     def __post_init__(self):
         super().__post_init__()
         check_choice("task.dataset", self.dataset, DATASETS)
-        self.pg19_book = str(self.pg19_book)  # Hydra reads a bare 10146 as an int
-        require(self.pg19_book.isdigit(), "task.pg19_book", self.pg19_book, "a Project Gutenberg book number")
-        for key in ("context_length", "continuation_length", "windows", "chunk"):
+        if isinstance(self.pg19_book, (list, tuple)) or type(self.pg19_book).__name__ == "ListConfig":
+            books = [str(b) for b in self.pg19_book]  # Hydra reads a bare 10146 as an int
+            ok = bool(books) and all(b.isdigit() for b in books) and len(set(books)) == len(books)
+            self.pg19_book = books
+        else:
+            self.pg19_book = str(self.pg19_book)
+            ok = self.pg19_book.isdigit() or self.pg19_book == "all"
+        require(
+            ok, "task.pg19_book", self.pg19_book, "a Project Gutenberg book number, a list of them, or all"
+        )
+        for key in ("context_length", "continuation_length", "windows", "chunk", "c4_documents"):
             value = getattr(self, key)
             ok = is_int(value) and value > 0
             require(ok, f"task.{key}", value, "a positive int")
@@ -138,17 +237,25 @@ class Perplexity(Task):
     def __init__(self, config: PerplexityConfig, data_root: Path, seed: int = 0):
         super().__init__(config, data_root, seed)
         self._ids: tuple[Any, list[int]] | None = None  # (tokenizer, token ids of the whole text)
+        self._text: str | None = None
+
+    def text(self) -> str:
+        if self._text is None:
+            c = self.config
+            self._text = load_text(self.data_root, c.dataset, c.pg19_book, c.c4_documents)
+        return self._text
 
     def samples(self) -> list[dict[str, Any]]:
-        data_file(self.data_root, self.config.dataset, self.config.pg19_book)  # fail before loading a model
+        c = self.config
+        if data_file(self.data_root, c.dataset, c.pg19_book) is None:  # c4 from the Hub
+            self.text()  # reach it now: fail before loading a model
         rows = [{"id": f"w{i}", "window": i} for i in range(self.config.windows)]
         return rows[: self.config.limit] if self.config.limit else rows
 
     def token_ids(self, tokenizer) -> list[int]:
         """The whole text tokenized once per tokenizer, without special tokens."""
         if self._ids is None or self._ids[0] is not tokenizer:
-            text = load_text(self.data_root, self.config.dataset, self.config.pg19_book)
-            self._ids = (tokenizer, tokenizer.encode(text, add_special_tokens=False))
+            self._ids = (tokenizer, tokenizer.encode(self.text(), add_special_tokens=False))
         return self._ids[1]
 
     def window_pairs(self, tokenizer) -> list[tuple[list[int], list[int]]]:

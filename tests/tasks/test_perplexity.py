@@ -11,6 +11,7 @@ from kvbench.cache import MemoryReport
 from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape
 from kvbench.tasks import build_task
+from kvbench.tasks import perplexity as ppl_module
 from kvbench.tasks.perplexity import corpus_metrics, gutenberg_body, load_text, split_windows
 
 SHAPE = ModelShape(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_context=8192)
@@ -118,6 +119,68 @@ def test_wikitext_is_lf(data_root):
     assert " = Robert Boulter = " in text[:100]
 
 
+def book(title: str, body: str) -> str:
+    """A hand-made Project Gutenberg file with CRLF line endings around ``body``."""
+    return (
+        f"The Project Gutenberg EBook of {title}\r\nLicense blurb.\r\n\r\n"
+        f"*** START OF THIS PROJECT GUTENBERG EBOOK {title.upper()} ***\r\n"
+        f"{body}"
+        f"*** END OF THIS PROJECT GUTENBERG EBOOK {title.upper()} ***\r\nFooter.\r\n"
+    )
+
+
+def test_wikitext_crlf_becomes_lf_rows_joined_by_blank_lines(tmp_path):
+    (tmp_path / "wikitext2").mkdir()
+    (tmp_path / "wikitext2" / "wikitext-test.txt").write_bytes(
+        b" = Title = \r\n\r\n A row .\r\n\r\n\r\n Next ."
+    )
+    assert load_text(tmp_path, "wikitext2") == " = Title = \n\n A row .\n\n\n Next ."
+
+
+def test_pg19_books_bodies_only_lf_in_the_order_given(tmp_path):
+    (tmp_path / "pg19").mkdir()
+    (tmp_path / "pg19" / "7.txt").write_bytes(book("Seven", "Line one.\r\nLine two.\r\n").encode())
+    (tmp_path / "pg19" / "12.txt").write_bytes(book("Twelve", "Only line.\r\n").encode())
+    assert load_text(tmp_path, "pg19", "7") == "Line one.\nLine two.\n"
+    assert load_text(tmp_path, "pg19", ["12", "7"]) == "Only line.\n\n\nLine one.\nLine two.\n"
+    # all: every book, by number (7 before 12, not by string order)
+    assert load_text(tmp_path, "pg19", "all") == "Line one.\nLine two.\n\n\nOnly line.\n"
+    task = perplexity(tmp_path, dataset="pg19", pg19_book=[12, 7])  # Hydra gives ints
+    assert task.config.pg19_book == ["12", "7"]
+    assert "License" not in task.text() and "Footer" not in task.text()
+
+
+def test_c4_local_shard_first_documents_joined_by_spaces(tmp_path):
+    import gzip
+    import json
+
+    (tmp_path / "c4").mkdir()
+    docs = [{"text": "First doc.\r\nSecond line.", "url": "a"}, {"text": "Second doc."}, {"text": "Third."}]
+    with gzip.open(tmp_path / "c4" / "c4-validation.00000-of-00008.json.gz", "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(d) + "\n" for d in docs))
+    assert load_text(tmp_path, "c4", c4_docs=2) == "First doc.\nSecond line. Second doc."
+    task = perplexity(tmp_path, dataset="c4", c4_documents=3)
+    assert [s["id"] for s in task.samples()] == ["w0", "w1", "w2", "w3"]
+    assert task.text().endswith("Second doc. Third.")
+
+
+def test_c4_missing_and_hub_unreachable_is_one_clear_error(tmp_path, monkeypatch):
+    calls = []
+
+    def unreachable(n):
+        calls.append(n)
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(ppl_module, "hub_c4_documents", unreachable)
+    task = perplexity(tmp_path, dataset="c4", c4_documents=5)
+    with pytest.raises(ConfigError) as err:
+        task.samples()  # before any model work
+    assert calls == [5]
+    assert err.value.key == "task.dataset" and err.value.value == "c4"
+    assert "c4-validation.00000-of-00008.json.gz" in str(err.value) and "ConnectionError" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 # --- config ----------------------------------------------------------------------------------------
 
 
@@ -145,7 +208,10 @@ def test_defaults(data_root):
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        ({"dataset": "c4"}, "task.dataset"),
+        ({"dataset": "c5"}, "task.dataset"),
+        ({"pg19_book": "ten"}, "task.pg19_book"),
+        ({"pg19_book": ["10146", "10146"]}, "task.pg19_book"),
+        ({"c4_documents": 0}, "task.c4_documents"),
         ({"context_length": 0}, "task.context_length"),
         ({"continuation_length": -1}, "task.continuation_length"),
         ({"windows": 0}, "task.windows"),
