@@ -12,7 +12,7 @@ PY     := $(VENV)/bin/python
 SHARED_DATA := $(abspath ../shared/data)
 export KVBENCH_DATA_DIR ?= $(if $(wildcard $(SHARED_DATA)),$(SHARED_DATA),)
 
-.PHONY: setup assets demo test lint format clean
+.PHONY: setup assets demo test lint format clean figures
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,9 @@ lint: setup
 format: setup
 	$(PY) -m ruff format kvbench tests scripts
 	$(PY) -m ruff check --fix kvbench tests scripts
+
+figures: setup
+	$(PY) scripts/make_figures.py
 
 clean:
 	rm -rf $(VENV)

@@ -161,3 +161,17 @@ def save(fig: Figure, path: str | Path, dpi: int = 120) -> Path:
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+def show(fig: Figure, dpi: int = 120) -> None:
+    """Display ``fig`` once in a notebook, as a PNG image, and close it. Rendering the PNG here works
+    whatever backend is active (a module that forces Agg disables the inline backend's display),
+    and closing the figure keeps the inline backend from showing it a second time."""
+    import io
+
+    from IPython.display import Image, display
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    plt.close(fig)
+    display(Image(data=buffer.getvalue(), format="png"))
