@@ -12,10 +12,11 @@ method, so no request sees another's state and the KV method shapes every number
   decoding would produce the continuation. The context minus its last token is prefilled into the
   cache; then the last context token and the continuation (less its final token) are fed ``chunk``
   tokens per forward, so that the logits predicting *every* continuation token, the first included,
-  come from a forward that reads the context from storage. Scoring the first token from the prefill
-  logits instead would, by the read rule of :mod:`kvbench.cache.layer` (a forward attends its own
-  tokens exactly), never read the cache: a one-token continuation, the usual multiple-choice
-  answer, would then score identically under every method.
+  come from a forward that reads the context from storage (one-token forwards go through
+  :meth:`ModelRunner.decode_step`, so a method with its own decode step is scored as it decodes).
+  Scoring the first token from the prefill logits instead would, by the read rule of
+  :mod:`kvbench.cache.layer` (a forward attends its own tokens exactly), never read the cache: a
+  one-token continuation, the usual multiple-choice answer, would score the same under every method.
 - ``loglikelihood_rolling`` (text,): the text is cut into lm-eval's disjoint rolling windows of at
   most ``max_length`` tokens (``lm_eval.utils.get_rolling_token_windows``, context length 1) and each
   window is scored like a ``loglikelihood`` request with its own fresh cache; the sum is returned.
@@ -173,7 +174,10 @@ class KVBenchLM(TemplateLM):
         for start in range(0, n, self.chunk):
             piece = fed[start : start + self.chunk]
             target = torch.tensor(continuation[start : start + len(piece)])
-            logp = torch.log_softmax(runner.forward(torch.tensor([piece]), cache)[0], dim=-1)  # [c, V]
+            ids = torch.tensor([piece])
+            # one token: the runner's decode step, so a method with its own (SpeCache) scores as it decodes
+            logits = runner.decode_step(ids, cache) if len(piece) == 1 else runner.forward(ids, cache)
+            logp = torch.log_softmax(logits[0], dim=-1)  # [c, V]
             target = target.to(logp.device)
             logprobs.extend(logp.gather(-1, target[:, None])[:, 0].tolist())
             greedy = greedy and bool((logp.argmax(-1) == target).all())
