@@ -201,6 +201,7 @@ class SpeCacheLayer(KIVILayer):
         self.fetched_v: torch.Tensor | None = None
         self._ready: torch.cuda.Event | None = None
         self._stream = None
+        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
         self._past_len = 0  # stored tokens before the current forward
         self._stored_now = 0  # tokens of the current forward that were stored
         self.fetches = 0
@@ -239,7 +240,9 @@ class SpeCacheLayer(KIVILayer):
                 fv = rows_v.to(device, non_blocking=True)
                 self._ready = torch.cuda.Event()
                 self._ready.record(self._stream)
-            # allocated on the side stream, used on the compute stream
+            # the pinned staging rows must outlive the copy; the device rows are allocated on the
+            # side stream and used on the compute stream
+            self._staging = (rows_k, rows_v)
             fk.record_stream(torch.cuda.current_stream(device))
             fv.record_stream(torch.cuda.current_stream(device))
         else:
