@@ -154,10 +154,26 @@ def build_report(
     frame.drop(columns=[c for c in frame.columns if frame[c].map(type).eq(dict).any()]).to_csv(
         out / "samples.csv", index=False
     )
-    units = [report_unit(key, sub, out, seed, n_resamples, say) for key, sub in groups(frame)]
+    units, skipped = [], []
+    for key, sub in groups(frame):
+        try:
+            units.append(report_unit(key, sub, out, seed, n_resamples, say))
+        except ReportError as err:  # one unit that cannot be analyzed must not hide the others
+            skipped.append(str(err))
+            say(f"note: skipped {err}")
+    if not units:
+        raise ReportError(f"DIR={root}: no analyzable runs ({'; '.join(skipped)})")
 
     lines = [f"# Report: `{root}`", ""]
     lines.append(f"{len(frame)} sample rows from {frame['run_id'].nunique()} runs.")
+    if skipped:
+        lines += ["", "Skipped:", ""] + [f"- {s}" for s in skipped]
+    duplicates = frame.attrs.get("duplicate_rows", {})
+    if duplicates:
+        lines += ["", "Repeated sample rows dropped (the first row of each sample kept):", ""]
+        lines += [f"- `{folder}`: {n}" for folder, n in duplicates.items()]
+        for folder, n in duplicates.items():
+            say(f"note: {folder}: {n} repeated sample row(s) dropped")
     superseded = frame.attrs.get("superseded", [])
     if superseded:
         lines += ["", "Runs left out (a fuller or newer run of the same configuration exists):", ""]

@@ -79,6 +79,10 @@ def higher_is_better(metric: str) -> bool:
     return metric not in LOWER_IS_BETTER
 
 
+def _is_nan(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -97,8 +101,13 @@ def _run_rows(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     plan = {**PLAN_DEFAULTS, **(config.get("analysis") or {})}
     run_id = config.get("run_id") or (metrics or {}).get("run_id") or folder.name
     primary = (metrics or {}).get("primary_metric")
-    out = []
+    out, seen, duplicates = [], set(), 0
     for row in rows:
+        # Two processes running one config at once can both append a sample: keep the first row.
+        if (str(row["sample_id"]), row.get("seed")) in seen:
+            duplicates += 1
+            continue
+        seen.add((str(row["sample_id"]), row.get("seed")))
         memory = row.get("memory") or {}
         bits = row.get("bits", method_cfg.get("bits", config.get("bits")))
         record = {
@@ -136,6 +145,7 @@ def _run_rows(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         "folder": str(folder),
         "n_rows": len(out),
         "mtime": samples_path.stat().st_mtime if samples_path.exists() else 0.0,
+        "duplicates": duplicates,
     }
     return out, summary
 
@@ -172,18 +182,46 @@ def _grid_value(config: dict[str, Any], grid_key: str) -> Any:
     return node
 
 
+def _cluster(runs: list[dict[str, Any]], key: str) -> list[list[dict[str, Any]]]:
+    """Runs grouped into configurations that agree on every shared key of ``run[key]`` (fullest and
+    newest first, so each cluster's first run is its representative); largest cluster first."""
+    runs = sorted(runs, key=lambda r: (r["n_rows"], r["mtime"]), reverse=True)
+    clusters: list[list[dict[str, Any]]] = []
+    for run in runs:
+        home = next((c for c in clusters if _agree(c[0][key], run[key])), None)
+        if home is None:
+            clusters.append([run])
+        else:
+            home.append(run)
+    clusters.sort(key=lambda c: sum(r["n_rows"] for r in c), reverse=True)
+    return clusters
+
+
+def _differences(clusters: list[list[dict[str, Any]]], key: str, prefix: str) -> list[str]:
+    """For each cluster, ``"knob=value,..."`` over the shared knobs whose values differ between the
+    clusters ("" when there is a single cluster)."""
+    if len(clusters) < 2:
+        return [""]
+    flats = [c[0][key] for c in clusters]
+    shared = set.intersection(*(set(f) for f in flats))
+    differing = sorted(k for k in shared if len({f[k] for f in flats}) > 1)
+    return [",".join(f"{k.removeprefix(prefix)}={json.loads(f[k])}" for k in differing) for f in flats]
+
+
 def load_frame(root: str | Path) -> pd.DataFrame:
     """One row per sample per run under ``root`` (see the module docstring); empty if none.
 
-    Runs are grouped by (task, model, experiment, method label). Within a group, runs whose method
-    and task configs agree on every shared key are one configuration; of its runs, each seed keeps
+    Runs of one (task, model, experiment) whose task nodes disagree on a shared key are task
+    variants, kept apart in ``variant`` (e.g. ``context_lengths=[512],max_new_tokens=24``; None for
+    a single variant) and analysed as separate units. Within a variant, runs with one method label
+    whose method nodes agree on every shared key are one configuration; of its runs, each seed keeps
     the one with the most rows (then the newest), and ``frame.attrs["superseded"]`` lists the
     others. Distinct configurations under one label (arms that differ in a knob the label does not
     show, e.g. ``uniform`` with per-token or per-channel keys) get the differing knobs appended:
     ``uniform-2b[key_axis=token]``. ``grid_value`` holds the value of the plan's ``grid_key``.
     Rows are sorted by task, model, method, seed and sample id.
     """
-    groups_: dict[tuple, list[dict[str, Any]]] = {}
+    summaries = []
     for folder in run_folders(root):
         rows, summary = _run_rows(folder)
         if not rows:
@@ -193,30 +231,31 @@ def load_frame(root: str | Path) -> pd.DataFrame:
         summary.update(
             rows=rows,
             seed=first["seed"],
-            flat={**_flat(config.get("method") or {}, "method"), **_flat(config.get("task") or {}, "task")},
+            method_flat=_flat(config.get("method") or {}, "method"),
+            task_flat=_flat(config.get("task") or {}, "task"),
             grid_value=_grid_value(config, first["plan_grid_key"]),
+            unit=(first["task"], first["model"], first["experiment"] or ""),
+            label=first["method"],
         )
-        key = (first["task"], first["model"], first["experiment"] or "", first["method"])
-        groups_.setdefault(key, []).append(summary)
+        summaries.append(summary)
+    # Task variants: runs of one (task, model, experiment) whose task nodes disagree (other context
+    # lengths, other generation length) measure different things and become separate units.
+    by_unit: dict[tuple, list[dict[str, Any]]] = {}
+    for summary in summaries:
+        by_unit.setdefault(summary["unit"], []).append(summary)
+    groups_: dict[tuple, list[dict[str, Any]]] = {}
+    for unit, runs in by_unit.items():
+        variants = _cluster(runs, "task_flat")
+        names = _differences(variants, "task_flat", "task.")
+        for variant, name in zip(variants, names, strict=True):
+            for run in variant:
+                run["variant"] = name
+                groups_.setdefault((*unit, name, run["label"]), []).append(run)
     kept, superseded = [], []
     for runs in groups_.values():
-        runs.sort(key=lambda r: (r["n_rows"], r["mtime"]), reverse=True)
-        clusters: list[list[dict[str, Any]]] = []
-        for run in runs:
-            home = next((c for c in clusters if _agree(c[0]["flat"], run["flat"])), None)
-            if home is None:
-                clusters.append([run])
-            else:
-                home.append(run)
-        shared = set.intersection(*(set(c[0]["flat"]) for c in clusters))
-        differing = sorted(k for k in shared if len({c[0]["flat"][k] for c in clusters}) > 1)
-        for cluster in clusters:
-            suffix = ""
-            if len(clusters) > 1:
-                parts = [
-                    f"{k.removeprefix('method.')}={json.loads(cluster[0]['flat'][k])}" for k in differing
-                ]
-                suffix = "[" + ",".join(parts) + "]"
+        clusters = _cluster(runs, "method_flat")
+        suffixes = _differences(clusters, "method_flat", "method.")
+        for cluster, suffix in zip(clusters, suffixes, strict=True):
             seen_seeds: set[int] = set()
             for run in cluster:
                 if run["seed"] in seen_seeds:
@@ -224,14 +263,16 @@ def load_frame(root: str | Path) -> pd.DataFrame:
                     continue
                 seen_seeds.add(run["seed"])
                 for row in run["rows"]:
-                    row["method"] += suffix
+                    row["method"] += f"[{suffix}]" if suffix else ""
                     row["grid_value"] = run["grid_value"]
+                    row["variant"] = run["variant"] or None
                     kept.append(row)
     frame = pd.DataFrame(kept)
     if not frame.empty:
         frame = frame.sort_values(["task", "model", "method", "seed", "sample_id"], kind="stable")
         frame = frame.reset_index(drop=True)
     frame.attrs["superseded"] = sorted(superseded)
+    frame.attrs["duplicate_rows"] = {r["folder"]: r["duplicates"] for r in summaries if r["duplicates"]}
     return frame
 
 
@@ -243,7 +284,10 @@ def plan_of(frame: pd.DataFrame) -> dict[str, Any]:
     for column in columns:
         values = {json.dumps(v, sort_keys=True, default=str) for v in frame[column]}
         if len(values) == 1:
-            plan[column.removeprefix("plan_")] = frame[column].iloc[0]
+            value = frame[column].iloc[0]
+            # An all-None column can come back as NaN: that is "not declared", not a value.
+            plan[column.removeprefix("plan_")] = None if _is_nan(value) else value
+    # Unfinished runs have no metrics.json and so no primary metric: read it from the finished ones.
     if plan["metric"] is None and "primary_metric" in frame:
         primaries = frame["primary_metric"].dropna().unique()
         plan["metric"] = primaries[0] if len(primaries) else None
@@ -251,12 +295,20 @@ def plan_of(frame: pd.DataFrame) -> dict[str, Any]:
 
 
 def groups(frame: pd.DataFrame) -> list[tuple[tuple[str, str, str | None], pd.DataFrame]]:
-    """The frame split into analysis units: one per (task, model, experiment), each with its own
-    reference and plan. ``experiment`` is None for runs made outside an experiment node."""
-    experiment = frame["experiment"].map(lambda v: v if isinstance(v, str) else "")
+    """The frame split into analysis units: one per (task, model, experiment) and task variant,
+    each with its own reference and plan. The key's third element is the experiment name, with the
+    variant appended in brackets when there are several (None for neither)."""
+
+    def name(row_experiment: Any, row_variant: Any) -> str:
+        experiment = row_experiment if isinstance(row_experiment, str) else ""
+        variant = row_variant if isinstance(row_variant, str) else ""
+        return experiment + (f"[{variant}]" if variant else "")
+
+    variant = frame["variant"] if "variant" in frame else pd.Series([None] * len(frame), index=frame.index)
+    unit_name = [name(e, v) for e, v in zip(frame["experiment"], variant, strict=True)]
     out = []
-    for (task, model, name), sub in frame.assign(_experiment=experiment).groupby(
-        ["task", "model", "_experiment"], sort=True
+    for (task, model, unit), sub in frame.assign(_unit=unit_name).groupby(
+        ["task", "model", "_unit"], sort=True
     ):
-        out.append(((task, model, name or None), sub.drop(columns="_experiment")))
+        out.append(((task, model, unit or None), sub.drop(columns="_unit")))
     return out

@@ -60,6 +60,8 @@ def analyze(
     key, frame = unit
     plan = plan_of(frame)
     metric = plan["metric"]
+    if metric is None:
+        raise ValueError("no analysis.metric declared and no finished run names the task's primary metric")
     if metric not in frame.columns:
         raise ValueError(f"analysis.metric={metric}: not a per-sample column of the {key[0]} runs")
     grid_key = plan.get("grid_key") or "bits"

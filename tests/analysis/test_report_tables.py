@@ -164,3 +164,34 @@ def test_arms_sharing_a_label_stay_apart_and_grid_key_follows_the_plan(tmp_path)
     assert paired.loc["specache-1b-k16", "grid_value"] == 16.0
     cliff = cliff_table(paired, "grid_value").set_index("family")
     assert cliff.loc["specache-1b", "grid"] == "16 0" and cliff.loc["specache-1b", "first_bad"] == 0.0
+
+
+def test_repeated_sample_rows_keep_the_first(tmp_path):
+    from kvbench.results import RunFolder
+
+    folder = RunFolder(tmp_path / "run")
+    folder.write_config({"task": {"name": "niah"}, "model": {"name": "m"}, "seed": 0, "run_id": "r"})
+    for sid, value in [("a", 1.0), ("b", 0.0), ("b", 1.0)]:
+        folder.append({"sample_id": sid, "seed": 0, "method": "fp16", "score": value})
+    frame = load_frame(tmp_path)
+    assert list(frame["sample_id"]) == ["a", "b"] and list(frame["score"]) == [1.0, 0.0]
+    assert frame.attrs["duplicate_rows"] == {str(folder.path): 1}
+
+
+def test_task_variants_are_separate_units(tmp_path):
+    from kvbench.results import RunFolder
+
+    for lengths, extra in (([512], {}), ([1024], {}), ([1024], {"new_knob": 1})):
+        config = {
+            "task": {"name": "niah", "context_lengths": lengths, **extra},
+            "model": {"name": "m"},
+            "seed": 0,
+        }
+        folder = RunFolder(tmp_path / f"{lengths[0]}-{len(extra)}")
+        folder.write_config({**config, "run_id": f"{lengths[0]}-{len(extra)}"})
+        folder.append({"sample_id": f"L{lengths[0]}", "seed": 0, "method": "fp16", "score": 1.0})
+    frame = load_frame(tmp_path)
+    keys = [key for key, _ in groups(frame)]
+    # The run that only adds a knob is the same configuration as the other 1024 run (superseded).
+    assert keys == [("niah", "m", "[context_lengths=[1024]]"), ("niah", "m", "[context_lengths=[512]]")]
+    assert len(frame.attrs["superseded"]) == 1 and len(frame) == 2
