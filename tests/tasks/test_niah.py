@@ -11,7 +11,16 @@ from kvbench.cache import MemoryReport
 from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape
 from kvbench.tasks import build_task
-from kvbench.tasks.niah import NEEDLE, build_context, insert_needle, needle_recall
+from kvbench.tasks.niah import (
+    NEEDLE,
+    build_context,
+    essay_order,
+    insert_needle,
+    kamradt_grid,
+    load_haystack,
+    needle_recall,
+    period_ids,
+)
 
 NEEDLE_SENTENCE = NEEDLE.strip()
 SHAPE = ModelShape(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_context=8192)
@@ -187,3 +196,97 @@ def test_conf_node_builds_the_defaults(data_root):
     task = build_task(node, data_root, seed=0)  # a DictConfig, as Hydra passes it
     assert task.config == niah(data_root).config
     assert task.config.context_lengths == [1024, 2048, 3072] and task.config.depths == [0, 50, 100]
+
+
+# --- placement on hand-made text, grids, seeded haystacks ------------------------------------------
+
+
+class WordTokenizer:
+    """Words and punctuation marks as tokens (ids by first appearance), enough for placement tests."""
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text, add_special_tokens=False):
+        import re
+
+        return [self.vocab.setdefault(t, len(self.vocab)) for t in re.findall(r"\w+|[^\w\s]", text)]
+
+    def decode(self, ids):
+        words = {i: t for t, i in self.vocab.items()}
+        return " ".join(words[i] for i in ids)
+
+
+HAND_TEXT = "One two three. Four five six seven. Eight nine. Ten eleven twelve thirteen fourteen. Fifteen"
+
+
+# HAND_TEXT's tokens: sentences start at 0, 4, 9 and 12; the trailing "Fifteen" (token 18) is a partial
+# sentence and is dropped, leaving 18 tokens. Depth d targets int(18 d / 100); the needle goes to the
+# nearest sentence start at or before it.
+@pytest.mark.parametrize(("depth", "at"), [(0, 0), (10, 0), (30, 4), (50, 9), (70, 12), (90, 12), (100, 18)])
+def test_needle_lands_on_the_nearest_sentence_end_at_or_before_the_depth(depth, at):
+    tok = WordTokenizer()
+    haystack = tok.encode(HAND_TEXT)
+    needle = tok.encode("NEEDLE sentence here .")
+    ids = build_context(haystack, needle, len(haystack) + len(needle), depth, period_ids(tok))
+    assert len(ids) == 18 + 4
+    assert ids.index(needle[0]) == at
+    assert ids[at : at + 4] == needle
+    assert at == 0 or tok.decode(ids[:at]).endswith(".")
+    assert (
+        tok.decode(ids[:at] + ids[at + 4 :])
+        == HAND_TEXT.replace(".", " .").replace("  ", " ").rsplit(" Fifteen", 1)[0]
+    )
+
+
+def test_depth_0_and_100_put_the_needle_first_and_last():
+    tok = WordTokenizer()
+    haystack = tok.encode(HAND_TEXT)
+    needle = tok.encode("NEEDLE .")
+    periods = period_ids(tok)
+    first = build_context(haystack, needle, len(haystack) + 2, 0, periods)
+    last = build_context(haystack, needle, len(haystack) + 2, 100, periods)
+    assert first[:2] == needle and first.count(needle[0]) == 1
+    assert last[-2:] == needle and tok.decode(last[:-2]).endswith("fourteen .")
+    assert sorted(first) == sorted(last)  # the same document, the needle moved
+
+
+def test_kamradt_grid_is_evenly_spaced_and_ends_at_the_limits(data_root):
+    task = niah(data_root, grid="kamradt", min_length=1000, max_length=8000, num_lengths=8, num_depths=5)
+    assert task.config.context_lengths == [1000, 2000, 3000, 4000, 5000, 6000, 7000, 8000]
+    assert task.config.depths == [0, 25, 50, 75, 100]
+    assert kamradt_grid(1024, 4096, 4, 7) == ([1024, 2048, 3072, 4096], [0, 17, 33, 50, 67, 83, 100])
+    ids = [s["id"] for s in task.samples()]
+    assert len(ids) == 40 and ids[0] == "L1000_d0" and ids[-1] == "L8000_d100"
+
+
+def test_kamradt_grid_above_the_model_context_is_rejected(data_root, tokenizer):
+    task = niah(data_root, grid="kamradt", min_length=1024, max_length=16384, num_lengths=4, num_depths=3)
+    with pytest.raises(ConfigError, match=r"task\.context_lengths.*8192"):
+        task.check_model(SHAPE, tokenizer)
+    with pytest.raises(ConfigError, match=r"task\.max_length"):
+        niah(data_root, grid="kamradt", min_length=4096, max_length=2048)
+    with pytest.raises(ConfigError, match=r"task\.grid"):
+        niah(data_root, grid="sigmoid")
+
+
+def test_seeds_reorder_the_essays_and_a_seed_is_deterministic(data_root):
+    texts = {seed: load_haystack(data_root, seed) for seed in (0, 1, 2)}
+    assert load_haystack(data_root, 1) == texts[1]  # the same seed, the same haystack
+    assert len({t[:2000] for t in texts.values()}) == 3  # each seed opens with different text
+    essays = sorted((data_root / "niah" / "PaulGrahamEssays").glob("*.txt"))
+    assert all(len(t) == len(texts[0]) for t in texts.values())  # the same essays, reordered
+    assert load_haystack(data_root).startswith(essays[0].read_text(encoding="utf-8"))  # None: by name
+    names = [p.name for p in essays]
+    assert sorted(essay_order(names, 5)) == sorted(names) and essay_order(names, 5) == essay_order(names, 5)
+    assert essay_order(names, 5) != essay_order(names, 6)
+
+
+def test_task_haystack_follows_the_run_seed(data_root, tokenizer):
+    a = niah(data_root).haystack_ids(tokenizer, 0)
+    b = build_task({"name": "niah"}, data_root, seed=1).haystack_ids(tokenizer, 0)
+    sorted_0 = build_task({"name": "niah", "haystack_order": "sorted"}, data_root, seed=0)
+    sorted_1 = build_task({"name": "niah", "haystack_order": "sorted"}, data_root, seed=1)
+    assert a[:500] != b[:500]
+    assert abs(len(a) - len(b)) <= 10  # the same essays (BPE merges at the joins may differ)
+    assert sorted_0.haystack_ids(tokenizer, 0) == sorted_1.haystack_ids(tokenizer, 0)
