@@ -69,10 +69,7 @@ def niah_heatmap(
 ):
     """A matplotlib Figure with one depth x length heatmap per method (same colour scale, 0..1, red
     = needle missed, green = found), each titled with the method and its grid mean."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the caller's backend: a report saves, a notebook shows
 
     frame = niah_frame(rows, metric)
     methods = list(methods) if methods is not None else list(dict.fromkeys(frame["method"]))
