@@ -114,8 +114,9 @@ class LongBenchConfig(TaskConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        is_list = isinstance(self.tasks, Sequence) and not isinstance(self.tasks, str)
-        tasks = list(self.tasks) if is_list else []
+        if isinstance(self.tasks, str):  # task.tasks=hotpotqa names one task
+            self.tasks = [self.tasks]
+        tasks = list(self.tasks) if isinstance(self.tasks, Sequence) else []
         unknown = [t for t in tasks if t not in ENGLISH_TASKS]
         require(
             bool(tasks) and not unknown,

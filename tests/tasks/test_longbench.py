@@ -72,6 +72,12 @@ def test_bad_values_name_their_key(data_root, overrides, key):
     assert err.value.key == key
 
 
+def test_one_task_as_a_string(data_root):
+    assert longbench(data_root, tasks="trec").config.tasks == ["trec"]
+    with pytest.raises(ConfigError):
+        longbench(data_root, tasks="Trec")
+
+
 def test_groups_cover_the_sixteen_once():
     flat = [t for tasks in GROUPS.values() for t in tasks]
     assert sorted(flat) == sorted(ENGLISH_TASKS) and len(set(flat)) == 16
