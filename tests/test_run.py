@@ -57,6 +57,16 @@ def test_killed_run_resumes_without_redoing_finished_samples(tmp_path, data_root
     assert written["run_id"] == metrics["run_id"]
     assert 2.0 < written["memory"]["effective_bits"] < 16.0
 
+    # a resubmitted sweep: the point is complete, so not even the model is loaded
+    import kvbench.models
+
+    monkeypatch.setattr(
+        kvbench.models, "load_model", lambda *a, **k: pytest.fail("model loaded for a finished run")
+    )
+    again = run_module.execute(cfg, progress=False)
+    assert again["run_id"] == metrics["run_id"] and again["metrics"] == written["metrics"]
+    assert len(RunFolder(folders[0]).rows()) == 4
+
 
 def test_truncated_last_line_is_dropped(tmp_path):
     folder = RunFolder(tmp_path)
