@@ -205,6 +205,8 @@ def summary_line(metrics: dict[str, Any]) -> dict[str, Any]:
         "task": metrics["task"],
         "model": metrics["model"],
         "method": metrics["method"],
+        # A subset of a benchmark (MiniLongBench, ...) is named next to its n, never silently.
+        **({"subset": m["subset"]} if m.get("subset") else {}),
         "n": m.get("n"),
         metrics["primary_metric"]: m.get(metrics["primary_metric"]),
         "eff_bits": mem.get("effective_bits"),

@@ -42,7 +42,10 @@ def test_user_errors_are_one_clear_line(args, expected, tmp_path):
         (["+method=nope"], "kvbench: error: method='nope': known method nodes: fp16, intactkv, kivi,"),
         (["-m", "+method=kivi,nope"], "kvbench: error: method='nope': known method nodes:"),
         (["model=nope"], "kvbench: error: model='nope': known model nodes: llama2-7b,"),
-        (["task=nope"], "kvbench: error: task='nope': known task nodes: niah, perplexity"),
+        (
+            ["task=nope"],
+            "kvbench: error: task='nope': known task nodes: gsm8k, lmeval, longbench, niah, perplexity",
+        ),
     ],
 )
 def test_unknown_config_names_list_the_options(args, expected, tmp_path):
