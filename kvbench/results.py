@@ -8,10 +8,13 @@ resume.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +81,22 @@ class RunFolder:
         self.path = Path(path)
         self.samples_path = self.path / "samples.jsonl"
         self.path.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def lock(self):
+        """Exclusive use of this folder by one process (an advisory ``flock`` on ``.lock``, freed by
+        the kernel if the process dies). A second process with the same config blocks until the
+        first is done, so two writers never append the same sample twice."""
+        with open(self.path / ".lock", "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"kvbench: {self.path} is in use by another process; waiting for it", file=sys.stderr)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield self
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def write_config(self, config: dict[str, Any]) -> None:
         write_json_atomic(self.path / "config.json", config)

@@ -124,78 +124,83 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
         / method.label()
         / f"seed{run_cfg.seed}-{rid}"
     )
-    folder.write_config({**config, "run_id": rid})
-    done = {r["sample_id"]: r for r in folder.rows()} if run_cfg.output.resume else {}
-    todo = [s for s in samples if s["id"] not in done]
-    finished = folder.path / "metrics.json"
-    if not todo and finished.exists():
-        # a resubmitted sweep: this point is complete, so skip the model load as well
-        return {**json.loads(finished.read_text()), "folder": str(folder.path)}
+    # One process per run folder: a parallel sweep (Slurm array, submitit) can map several points
+    # to one folder (fp16 ignores bits); the second waits, then resumes and finds nothing to do.
+    with folder.lock():
+        folder.write_config({**config, "run_id": rid})
+        done = {r["sample_id"]: r for r in folder.rows()} if run_cfg.output.resume else {}
+        todo = [s for s in samples if s["id"] not in done]
+        finished = folder.path / "metrics.json"
+        if not todo and finished.exists():
+            # a resubmitted sweep: this point is complete, so skip the model load as well
+            return {**json.loads(finished.read_text()), "folder": str(folder.path)}
 
-    torch.manual_seed(run_cfg.seed)
-    t0 = time.perf_counter()
-    from kvbench.cache import ATTN_IMPLEMENTATION
-    from kvbench.generate import ModelRunner
+        torch.manual_seed(run_cfg.seed)
+        t0 = time.perf_counter()
+        from kvbench.cache import ATTN_IMPLEMENTATION
+        from kvbench.generate import ModelRunner
 
-    model, tokenizer = load_model(
-        model_cfg, attn_implementation=ATTN_IMPLEMENTATION, device=run_cfg.torch_device()
-    )
-    load_s = time.perf_counter() - t0
-    shape = model_shape(model, model_cfg.max_context)
-    method.config.check_model(shape)
-    task.check_model(shape, tokenizer)
-    method.prepare(model, tokenizer, shape, data_root)
-    runner = ModelRunner(model, tokenizer, method, shape)
+        model, tokenizer = load_model(
+            model_cfg, attn_implementation=ATTN_IMPLEMENTATION, device=run_cfg.torch_device()
+        )
+        load_s = time.perf_counter() - t0
+        shape = model_shape(model, model_cfg.max_context)
+        method.config.check_model(shape)
+        task.check_model(shape, tokenizer)
+        method.prepare(model, tokenizer, shape, data_root)
+        runner = ModelRunner(model, tokenizer, method, shape)
 
-    t_run = time.perf_counter()
-    bar = tqdm(todo, desc=f"{task.registered_name} {method.label()}", disable=not progress, file=sys.stderr)
-    for sample in bar:
-        t_sample = time.perf_counter()
-        row = task.run(sample, runner)
-        memory = row.pop("memory", None)
-        row = {
-            "sample_id": sample["id"],
-            "seed": run_cfg.seed,
+        t_run = time.perf_counter()
+        bar = tqdm(
+            todo, desc=f"{task.registered_name} {method.label()}", disable=not progress, file=sys.stderr
+        )
+        for sample in bar:
+            t_sample = time.perf_counter()
+            row = task.run(sample, runner)
+            memory = row.pop("memory", None)
+            row = {
+                "sample_id": sample["id"],
+                "seed": run_cfg.seed,
+                "task": task.registered_name,
+                "model": model_cfg.name,
+                "method": method.label(),
+                "bits": method.config.bits,
+                **row,
+                "memory": memory.to_dict() if memory is not None else None,
+                "seconds": time.perf_counter() - t_sample,
+            }
+            folder.append(row)
+            done[sample["id"]] = row
+            bar.set_postfix({task.primary_metric: f"{row.get(task.primary_metric, float('nan')):.3g}"})
+
+        rows = [done[s["id"]] for s in samples if s["id"] in done]
+        metrics = {
+            "run_id": rid,
             "task": task.registered_name,
+            "task_version": task.config.version,
             "model": model_cfg.name,
+            "model_note": model_cfg.weights_note,
             "method": method.label(),
-            "bits": method.config.bits,
-            **row,
-            "memory": memory.to_dict() if memory is not None else None,
-            "seconds": time.perf_counter() - t_sample,
+            "method_config": config.get("method") or {"name": "fp16"},
+            "seed": run_cfg.seed,
+            "primary_metric": task.primary_metric,
+            "metrics": task.aggregate(rows),
+            "memory": memory_summary(rows),
+            "timings": {
+                "model_load_s": load_s,
+                "run_s": time.perf_counter() - t_run,
+                "samples_run": len(todo),
+                "samples_resumed": len(samples) - len(todo),
+                "sample_s_mean": _mean([r.get("seconds") for r in rows]),
+            },
+            "versions": versions(),
+            "folder": str(folder.path),
         }
-        folder.append(row)
-        done[sample["id"]] = row
-        bar.set_postfix({task.primary_metric: f"{row.get(task.primary_metric, float('nan')):.3g}"})
+        folder.write_metrics(metrics)
+        from kvbench.logger import log_run
 
-    rows = [done[s["id"]] for s in samples if s["id"] in done]
-    metrics = {
-        "run_id": rid,
-        "task": task.registered_name,
-        "task_version": task.config.version,
-        "model": model_cfg.name,
-        "model_note": model_cfg.weights_note,
-        "method": method.label(),
-        "method_config": config.get("method") or {"name": "fp16"},
-        "seed": run_cfg.seed,
-        "primary_metric": task.primary_metric,
-        "metrics": task.aggregate(rows),
-        "memory": memory_summary(rows),
-        "timings": {
-            "model_load_s": load_s,
-            "run_s": time.perf_counter() - t_run,
-            "samples_run": len(todo),
-            "samples_resumed": len(samples) - len(todo),
-            "sample_s_mean": _mean([r.get("seconds") for r in rows]),
-        },
-        "versions": versions(),
-        "folder": str(folder.path),
-    }
-    folder.write_metrics(metrics)
-    from kvbench.logger import log_run
-
-    log_run(config, metrics)  # after the folder is written: a logger failure cannot lose results
-    return metrics
+        log_run(config, metrics)  # after the folder is written: a logger failure cannot lose results
+        return metrics
 
 
 def summary_line(metrics: dict[str, Any]) -> dict[str, Any]:

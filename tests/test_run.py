@@ -116,3 +116,22 @@ def test_fp16_gets_one_run_id_whatever_the_top_level_bits():
     assert run_id({**uniform, "bits": 2}) != run_id(
         {**uniform, "bits": 3, "method": {"name": "uniform", "bits": 3.0}}
     )
+
+
+def test_run_folder_lock_admits_one_writer_at_a_time(tmp_path, capsys):
+    import threading
+
+    folder = RunFolder(tmp_path)
+    entered = threading.Event()
+
+    def second_writer():
+        with RunFolder(tmp_path).lock():
+            entered.set()
+
+    with folder.lock():
+        thread = threading.Thread(target=second_writer)
+        thread.start()
+        assert not entered.wait(0.5)  # blocked while the first holds the folder
+    thread.join(timeout=10)
+    assert entered.is_set()  # and admitted once it is released
+    assert "in use by another process" in capsys.readouterr().err
