@@ -23,7 +23,8 @@ Components (each switchable for the ablation):
 - Attention sink (Sec. 3.5, ``sink``): the first token is kept in fp16 (``sink_tokens = 1``,
   :class:`kvbench.cache.sink.SinkLayer`) and left out of calibration.
 - Offline calibration (Sec. 3.6, ``calibrate``): :meth:`KVQuant.prepare` runs the model over
-  ``calibration_tokens`` tokens of WikiText-2 (windows of 512), capturing k_proj/v_proj outputs
+  the last ``calibration_tokens`` tokens of WikiText-2 test (windows of 512; the paper uses the train
+  split, absent here, and the perplexity task scores the start of test), capturing k_proj/v_proj outputs
   (pre-RoPE keys; RoPE is applied for ``pre_rope: false``). ``false`` computes the same statistics
   from the layer's first stored block (the prompt) instead, frozen afterwards.
 
@@ -395,8 +396,10 @@ class KVQuant(Method):
     def calibrate(self, model, tokenizer, shape, data_root) -> list[LayerCalibration]:
         c = self.config
         text = calibration_text(data_root)
-        ids = tokenizer(text[: 8 * c.calibration_tokens], return_tensors="pt").input_ids[0]
-        ids = ids[: c.calibration_tokens]
+        # The paper calibrates on WikiText-2 *train*; only the test split ships here, and the
+        # perplexity task scores windows from its start, so calibration reads its end instead.
+        ids = tokenizer(text[-8 * c.calibration_tokens :], return_tensors="pt").input_ids[0]
+        ids = ids[-c.calibration_tokens :]
         captured: dict[tuple[str, int], list[torch.Tensor]] = {}
 
         def hook(kind, idx):
