@@ -84,8 +84,13 @@ class ModelRunner:
         input_ids: torch.Tensor,
         max_new_tokens: int,
         stop_strings: tuple[str, ...] = (),
+        stop_token_ids: tuple[int, ...] = (),
+        min_new_tokens: int = 0,
     ) -> Generation:
-        """Greedy decoding of up to ``max_new_tokens`` after ``input_ids [1, T]``."""
+        """Greedy decoding of up to ``max_new_tokens`` after ``input_ids [1, T]``. Decoding stops at
+        EOS, at any of ``stop_token_ids`` or once a ``stop_strings`` entry appears; no stop token may
+        be chosen among the first ``min_new_tokens`` (a benchmark's ``min_length`` rule)."""
+        stops = self.eos_ids | set(stop_token_ids)
         cache = self.new_cache()
         t0 = time.perf_counter()
         logits = self.forward(input_ids, cache)
@@ -94,8 +99,12 @@ class ModelRunner:
         stopped = False
         t0 = time.perf_counter()
         for _ in range(max_new_tokens):
-            nxt = int(logits[0, -1].argmax())
-            if nxt in self.eos_ids:
+            step = logits[0, -1]
+            if len(tokens) < min_new_tokens:
+                step = step.clone()
+                step[list(stops)] = float("-inf")
+            nxt = int(step.argmax())
+            if nxt in stops:
                 stopped = True
                 break
             tokens.append(nxt)

@@ -75,3 +75,15 @@ def test_scoring_reads_the_quantized_cache(default_model):
     assert sum(one_bit.nll) > sum(fp.nll) + 1.0
     # one forward of 16 tokens over an FP16 cache equals 16 single-token forwards up to rounding
     assert chunked.nll == pytest.approx(fp.nll, abs=2e-3)
+
+
+@pytest.mark.slow
+def test_stop_token_ids_and_min_new_tokens(default_model, prompt_ids):
+    runner = runner_for(default_model, {"name": "fp16"})
+    first = runner.generate(prompt_ids, 2).token_ids[0]
+    # the first greedy token declared a stop token ends decoding before anything is emitted ...
+    cut = runner.generate(prompt_ids, 2, stop_token_ids=(first,))
+    assert cut.token_ids == [] and cut.stopped
+    # ... unless stops are barred from the first position, which then takes the runner-up
+    barred = runner.generate(prompt_ids, 2, stop_token_ids=(first,), min_new_tokens=1)
+    assert barred.token_ids[0] != first and len(barred.token_ids) >= 1

@@ -47,7 +47,6 @@ so results from the two never mix.
 from __future__ import annotations
 
 import json
-import time
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,11 +55,9 @@ from typing import Any
 
 import torch
 
-from kvbench.cache import memory_report
 from kvbench.config import check_choice, is_int, require
 from kvbench.data import require_file
 from kvbench.errors import ConfigError
-from kvbench.generate import Generation
 from kvbench.tasks.base import Task, TaskConfig, register_task
 from kvbench.tasks.longbench_metrics import score_sample
 
@@ -237,40 +234,6 @@ def chat_overhead(tokenizer, task: str) -> int:
 
 
 @torch.no_grad()
-def greedy_until_newline(runner, input_ids: torch.Tensor, max_new_tokens: int) -> Generation:
-    """samsum's official decoding: greedy, stopping at EOS or the newline token, neither of which may
-    be the first token (the official call sets ``min_length`` one past the prompt)."""
-    tok = runner.tokenizer
-    stops = {tok.encode("\n", add_special_tokens=False)[-1]}
-    if tok.eos_token_id is not None:
-        stops.add(tok.eos_token_id)
-    cache = runner.new_cache()
-    t0 = time.perf_counter()
-    logits = runner.forward(input_ids, cache)
-    prefill_s = time.perf_counter() - t0
-    tokens: list[int] = []
-    stopped = False
-    t0 = time.perf_counter()
-    while len(tokens) < max_new_tokens:
-        step = logits[0, -1]
-        if not tokens:
-            step = step.clone()
-            step[list(stops)] = float("-inf")
-        nxt = int(step.argmax())
-        if nxt in stops:
-            stopped = True
-            break
-        tokens.append(nxt)
-        if len(tokens) == max_new_tokens:
-            break
-        logits = runner.forward(torch.tensor([[nxt]]), cache)
-    decode_s = time.perf_counter() - t0
-    text = tok.decode(tokens, skip_special_tokens=True)
-    return Generation(
-        text, tokens, input_ids.shape[1], stopped, memory_report(cache.layers), prefill_s, decode_s
-    )
-
-
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
@@ -356,7 +319,10 @@ class LongBench(Task):
         input_ids, truncated, chat = self.build_input(sample, runner.tokenizer)
         max_new = self.max_new_tokens(task)
         if task == "samsum":
-            gen = greedy_until_newline(runner, input_ids, max_new)
+            # The official samsum decoding also stops at the newline token, and neither it nor EOS
+            # may be the first token (``min_length`` one past the prompt).
+            newline = runner.tokenizer.encode("\n", add_special_tokens=False)[-1]
+            gen = runner.generate(input_ids, max_new, stop_token_ids=(newline,), min_new_tokens=1)
         else:
             gen = runner.generate(input_ids, max_new)
         score = score_sample(METRIC_OF[task], task, gen.text, sample["answers"], sample["all_classes"])
