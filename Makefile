@@ -8,9 +8,14 @@
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# Use the shared data root when it sits beside the checkout (development machines, CI).
+# Runs and experiments use the shared data root when it sits beside the checkout (development
+# machines); USE_SHARED_DATA=0 switches that off. The tests never use it: they carry their own
+# fixtures (tests/fixtures) and refuse any read under ../shared (tests/sandbox).
+USE_SHARED_DATA ?= 1
 SHARED_DATA := $(abspath ../shared/data)
+ifeq ($(USE_SHARED_DATA),1)
 export KVBENCH_DATA_DIR ?= $(if $(wildcard $(SHARED_DATA)),$(SHARED_DATA),)
+endif
 
 .PHONY: setup assets demo test lint format clean figures
 
@@ -31,6 +36,7 @@ demo: assets
 	$(PY) -m kvbench
 	$(PY) -m kvbench +method=kivi bits=2
 
+test: export KVBENCH_DATA_DIR :=
 test: assets
 	$(PY) -m ruff check kvbench tests scripts
 	$(PY) -m ruff format --check kvbench tests scripts

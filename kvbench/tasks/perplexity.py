@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from kvbench.config import check_choice, is_int, require
+from kvbench.data import missing_file
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
 
@@ -79,7 +80,9 @@ def gutenberg_body(text: str, source: str = "text") -> str:
 
 
 def _missing(data_root: Path, path: Path) -> ConfigError:
-    return ConfigError("data.root", str(data_root), f"missing {path}; `make assets` fetches the data")
+    relpath = path.relative_to(data_root).as_posix()
+    what = "the WikiText-2 test split" if relpath.startswith("wikitext2/") else "a PG-19 book"
+    return missing_file(data_root, relpath, what)
 
 
 def pg19_books(data_root: Path, book: str | list[str]) -> list[Path]:
