@@ -233,8 +233,19 @@ class WandbLogger:
         self._guard("report log", _log)
 
     def finish(self) -> None:
+        """Finish the run and wait until wandb has written all of it.
+
+        ``run.finish()`` returns while wandb's service process may still be writing the run's record
+        log; under load a reader (``wandb sync``, :func:`read_offline_run`, a test) then finds the
+        summary missing. ``wandb.teardown()`` waits for the service to flush and exit. It costs a
+        service start (about a second) at the next run, which kvbench starts once per finished run.
+        """
         if self.run is not None:
             self._guard("finish", self.run.finish)
+            if self.run is not None:
+                import wandb
+
+                self._guard("teardown", wandb.teardown)
             self.run = None
 
 

@@ -189,3 +189,25 @@ def test_report_figures_logged_offline(wandb_env, monkeypatch):
     assert summary[f"{unit}/cliff_map/size"] == (root / "out" / unit / "cliff_map.png").stat().st_size
     assert summary[f"{unit}/paired/_type"] == "table-file"
     assert summary[f"{unit}/paired/nrows"] == 3  # uniform at 4, 3 and 2 bits against fp16
+
+
+def test_finish_waits_for_wandb_to_write_the_run(wandb_env, monkeypatch):
+    """run.finish() may return while wandb's service still writes the record log (a reader right
+    after it then misses the summary under load); the logger's finish also waits for the flush."""
+    import wandb
+
+    calls = []
+
+    class Run:
+        summary: dict = {}
+
+        def finish(self):
+            calls.append("finish")
+
+    monkeypatch.setattr(wandb, "teardown", lambda *a, **k: calls.append("teardown"))
+    logger = kvlog.WandbLogger(kvlog.LoggerConfig(name="wandb"))
+    logger.run = Run()
+    logger.finish()
+    assert calls == ["finish", "teardown"] and not logger.active
+    logger.finish()  # a second finish is a no-op
+    assert calls == ["finish", "teardown"]
