@@ -173,8 +173,8 @@ def _known_keys(loader, config_name: str, overrides: list[str], bad_key: str, pa
     from hydra.types import RunMode
 
     rest = [o for o in overrides if o.partition("=")[0].lstrip("+~") != bad_key]
-    try:
-        base = loader.load_configuration(config_name, rest, RunMode.RUN)
+    try:  # MULTIRUN: a sweep among the other overrides is skipped, not an error
+        base = loader.load_configuration(config_name, rest, RunMode.MULTIRUN)
     except Exception:  # the other overrides fail too: no list, the one line still names the key
         return []
     node = OmegaConf.select(base, parent) if parent else base
@@ -196,7 +196,16 @@ def hydra_error(err: Exception, loader, config_name: str, overrides: list[str]) 
         key = override.group(1)
         missing = getattr(err.__cause__, "full_key", None) or key
         parent, _, leaf = str(missing).rpartition(".")
-        value = next((v for o in overrides for k, v in [_override_parts(o)] if k == key), None)
+        typed = next((o for o in overrides if o.partition("=")[0].lstrip("+~") == key), f"{key}=")
+        value = _override_parts(typed)[1]
+        if missing == key.split(".")[0] != key and (Path(CONF_DIR) / missing).is_dir():
+            # a key inside a group node that is not there when plain keys are applied
+            chosen = next((o for o in overrides if o.partition("=")[0].lstrip("+~") == missing), None)
+            if chosen:
+                why = f"{missing} comes from the sweep {chosen}, applied after plain keys; write ++{typed}"
+            else:
+                why = f"there is no {missing} node; choose one first with +{missing}=NAME"
+            return ConfigError(key, value, why)
         known = _known_keys(loader, config_name, overrides, key, parent)
         return ConfigError(key, value, unknown_key(leaf, known) if known else "unknown key")
     twice = re.match(r"(\S+) appears more than once in the final defaults list", first)
@@ -298,10 +307,11 @@ def preflight(argv: list[str]) -> None:
     args = get_args_parser().parse_args(argv)
     if any(getattr(args, flag, None) for flag in NO_RUN_FLAGS) or args.config_path or args.config_dir:
         return
+    checked_tasks: dict[str, list] = {}
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="kvbench"):
         for label, config in sweep_points(args.overrides, args.config_name or "config", args.multirun):
             try:
-                plan_run(config)
+                plan_run(config, checked_tasks)
             except ConfigError as err:
                 if not label:
                     raise

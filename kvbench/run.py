@@ -27,7 +27,7 @@ from kvbench.config import build_config, check_choice, is_int, is_number, requir
 from kvbench.data import resolve_data_root
 from kvbench.errors import ConfigError
 from kvbench.methods import Method, build_method
-from kvbench.results import RunFolder, analysis_plan, run_id
+from kvbench.results import RunFolder, analysis_plan, canonical_json, run_id
 from kvbench.tasks import Task, build_task
 
 # Top-level keys other than RunConfig's own: nodes validated by their own dataclasses.
@@ -182,9 +182,12 @@ def bits_ignored(config: dict[str, Any], method: Method) -> dict[str, str]:
     return {"bits_ignored": f"bits={bits:g} is ignored: {why}"}
 
 
-def plan_run(cfg: Any) -> RunPlan:
+def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
     """Check a configuration (a Hydra DictConfig or a plain dict) against itself, the machine, the
-    data and the model's files; raise ConfigError on the first problem. Cheapest checks first."""
+    data and the model's files; raise ConfigError on the first problem. Cheapest checks first.
+
+    ``checked_tasks`` lets a sweep check each distinct (task, model, data, seed) once: loading a
+    task's samples can take seconds (lm-eval builds its dataset), and most sweeps vary the method."""
     from kvbench.logger import LoggerConfig
     from kvbench.models import ModelConfig, peek_model
 
@@ -202,10 +205,16 @@ def plan_run(cfg: Any) -> RunPlan:
     run_cfg.output.check_root()
     data_root = resolve_data_root(run_cfg.data.root)
     task = build_task(config.get("task"), data_root, run_cfg.seed)
-    samples = task.samples()  # fails on missing or unreadable data
+    task_key = canonical_json([config.get("task"), config.get("model"), str(data_root), run_cfg.seed])
+    known = (checked_tasks or {}).get(task_key)
+    samples = known if known is not None else task.samples()  # fails on missing or unreadable data
     peeked = peek_model(model_cfg)
     if peeked is not None:
-        check_against_model(method, task, *peeked)
+        method.config.check_model(peeked[0])
+        if known is None:
+            task.check_model(*peeked)
+    if checked_tasks is not None:
+        checked_tasks[task_key] = samples
     rid = run_id(config)
     folder = (
         Path(run_cfg.output.root)
