@@ -302,14 +302,15 @@ def preflight(argv: list[str]) -> None:
     from hydra import initialize_config_dir
     from hydra._internal.utils import get_args_parser
 
-    from kvbench.run import plan_run
-
     args = get_args_parser().parse_args(argv)
     if any(getattr(args, flag, None) for flag in NO_RUN_FLAGS) or args.config_path or args.config_dir:
         return
     checked_tasks: dict[str, list] = {}
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="kvbench"):
         for label, config in sweep_points(args.overrides, args.config_name or "config", args.multirun):
+            # imported here: composition errors are reported before torch is imported (seconds)
+            from kvbench.run import plan_run
+
             try:
                 plan_run(config, checked_tasks)
             except ConfigError as err:
