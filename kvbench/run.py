@@ -271,7 +271,10 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
         finished = folder.path / "metrics.json"
         if not todo and finished.exists():
             # a resubmitted sweep: this point is complete, so skip the model load as well
-            return {**json.loads(finished.read_text()), "folder": str(folder.path)}
+            try:
+                return {**json.loads(finished.read_text()), "folder": str(folder.path)}
+            except (ValueError, TypeError):  # damaged by hand: aggregate the rows again
+                warn(f"{finished} does not parse as a JSON object; it is written again from the samples")
 
         for message in plan.warnings.values():
             warn(message)

@@ -462,6 +462,12 @@ def test_self_defeating_run_is_flagged_in_metrics(tmp_path, data_root, capsys):
     written = json.loads((Path(metrics["folder"]) / "metrics.json").read_text())
     assert set(written["warnings"]) == {"topk_covers_context", "more_bytes_than_fp16"}
 
+    (Path(metrics["folder"]) / "metrics.json").write_text("[1, ")  # damaged by hand
+    again = execute(config, progress=False)
+    assert "does not parse" in capsys.readouterr().err
+    assert again["timings"]["samples_run"] == 0 and again["metrics"] == metrics["metrics"]
+    assert json.loads((Path(metrics["folder"]) / "metrics.json").read_text())["run_id"] == metrics["run_id"]
+
 
 def test_command_line_error_in_a_fresh_interpreter(tmp_path, inputs):
     """The real entry point, once: exit status 2, one line, no traceback, nothing written."""
