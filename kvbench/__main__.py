@@ -9,16 +9,28 @@
 User errors (unknown names, bad values, missing data) print one line naming the key and exit 2. An
 experiment whose methods or tasks are not available yet (no config node, or not registered) fails
 before anything runs, with one line naming what is missing.
+
+Before Hydra starts, :func:`preflight` composes every configuration the command asks for (each point
+of a sweep) and checks it with :func:`kvbench.run.plan_run`, so a bad value anywhere fails in
+seconds, before a model loads or a folder (Hydra's own included) is made. Hydra's composition errors
+(an unknown key, an unknown group option, a group given twice) become one line too; ``--verbose`` or
+``HYDRA_FULL_ERROR=1`` prints the full detail above it.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
+import re
 import sys
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench.config import unknown_key
 from kvbench.errors import ConfigError
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -140,6 +152,189 @@ def check_argv(argv: list[str]) -> None:
                 check_experiment(choice)
 
 
+# Hydra flags after which no run happens: nothing to check.
+NO_RUN_FLAGS = ("help", "hydra_help", "cfg", "info", "shell_completion", "experimental_rerun")
+
+
+def _override_parts(override: str) -> tuple[str, object]:
+    """``(key, value)`` of a command-line override, the value typed as Hydra reads it (``2`` an int)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    key, _, text = override.partition("=")
+    try:
+        value = OverridesParser.create().parse_override(override).value()
+    except Exception:  # not valid syntax: show the text as typed
+        value = text
+    return key.lstrip("+~"), value
+
+
+def _known_keys(loader, config_name: str, overrides: list[str], bad_key: str, parent: str) -> list[str]:
+    """Keys under ``parent`` in the config composed without the override that failed."""
+    from hydra.types import RunMode
+
+    rest = [o for o in overrides if o.partition("=")[0].lstrip("+~") != bad_key]
+    try:  # MULTIRUN: a sweep among the other overrides is skipped, not an error
+        base = loader.load_configuration(config_name, rest, RunMode.MULTIRUN)
+    except Exception:  # the other overrides fail too: no list, the one line still names the key
+        return []
+    node = OmegaConf.select(base, parent) if parent else base
+    return [str(k) for k in node.keys() if k != "hydra"] if OmegaConf.is_dict(node) else []
+
+
+def hydra_error(err: Exception, loader, config_name: str, overrides: list[str]) -> ConfigError:
+    """One ConfigError line for an error Hydra raised while composing."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
+        group, _, choice = str(err.missing_cfg_file).rpartition("/")
+        close = difflib.get_close_matches(choice, list(err.options), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        return ConfigError(group, choice, f"{hint}known {group} nodes: {', '.join(err.options)}")
+    override = re.match(r"Could not override '([^']+)'", first)
+    if override:
+        key = override.group(1)
+        missing = getattr(err.__cause__, "full_key", None) or key
+        parent, _, leaf = str(missing).rpartition(".")
+        typed = next((o for o in overrides if o.partition("=")[0].lstrip("+~") == key), f"{key}=")
+        value = _override_parts(typed)[1]
+        if missing == key.split(".")[0] != key and (Path(CONF_DIR) / missing).is_dir():
+            # a key inside a group node that is not there when plain keys are applied
+            chosen = next((o for o in overrides if o.partition("=")[0].lstrip("+~") == missing), None)
+            if chosen:
+                why = f"{missing} comes from the sweep {chosen}, applied after plain keys; write ++{typed}"
+            else:
+                why = f"there is no {missing} node; choose one first with +{missing}=NAME"
+            return ConfigError(key, value, why)
+        known = _known_keys(loader, config_name, overrides, key, parent)
+        return ConfigError(key, value, unknown_key(leaf, known) if known else "unknown key")
+    twice = re.match(r"(\S+) appears more than once in the final defaults list", first)
+    if twice:
+        group = twice.group(1)
+        given = [o for o in overrides if o.partition("=")[0].lstrip("+~") == group]
+        return ConfigError(
+            group, " ".join(given), f"given more than once; give it once (a sweep: -m {given[0]},...)"
+        )
+    if isinstance(err, OverrideParseException):
+        bad = next((o for o in overrides if not _parses(o)), " ".join(overrides))
+        return ConfigError(
+            _override_parts(bad)[0], _override_parts(bad)[1], f"not valid override syntax: {first}"
+        )
+    key = getattr(err, "full_key", None) or "config"
+    return ConfigError(str(key), " ".join(overrides), first)
+
+
+def _parses(override: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_override(override)
+    except Exception:  # any failure is the answer
+        return False
+    return True
+
+
+def _compose(loader, config_name: str, overrides: list[str], build) -> DictConfig:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return build()
+    except (HydraException, OmegaConfBaseException) as err:
+        raise hydra_error(err, loader, config_name, overrides) from err
+
+
+def run_config(cfg: DictConfig) -> dict:
+    """The resolved config a job receives, without the ``hydra`` node."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf.errors import OmegaConfBaseException
+
+    HydraConfig.instance().set_config(cfg)  # ${hydra:...} interpolations resolve as in the job
+    try:
+        return {
+            k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+            for k, v in cfg.items()
+            if k != "hydra"
+        }
+    except OmegaConfBaseException as err:
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(str(err.full_key or "config"), None, first) from err
+
+
+def sweep_points(argv_overrides: list[str], config_name: str, multirun: bool) -> Iterator[tuple[str, dict]]:
+    """``(label, config)`` for every job the command would launch: the label names the swept values
+    of a sweep point (empty for a single run). Expands a sweep the way Hydra's basic sweeper does,
+    the node's own ``hydra.sweeper.params`` first, then the command line."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    loader = GlobalHydra.instance().config_loader()
+    mode = RunMode.MULTIRUN if multirun else RunMode.RUN
+    master = _compose(
+        loader,
+        config_name,
+        argv_overrides,
+        lambda: loader.load_configuration(config_name, argv_overrides, mode),
+    )
+    if not multirun:
+        yield "", run_config(master)
+        return
+    sweeper = master.hydra.sweeper
+    if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        return  # another sweeper expands its own search space; each job still checks itself
+    params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+    parsed = _compose(
+        loader,
+        config_name,
+        argv_overrides,
+        lambda: OverridesParser.create(config_loader=loader).parse_overrides(params + argv_overrides),
+    )
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    for job in BasicSweeper.split_arguments(parsed, None)[0]:
+        cfg = _compose(loader, config_name, job, lambda job=job: loader.load_sweep_config(master, job))
+        yield " ".join(o for o in job if o.partition("=")[0] in swept), run_config(cfg)
+
+
+def preflight(argv: list[str]) -> None:
+    """Compose and check every configuration the command line asks for; raise ConfigError."""
+    from hydra import initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    if any(getattr(args, flag, None) for flag in NO_RUN_FLAGS) or args.config_path or args.config_dir:
+        return
+    checked_tasks: dict[str, list] = {}
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="kvbench"):
+        for label, config in sweep_points(args.overrides, args.config_name or "config", args.multirun):
+            # imported here: composition errors are reported before torch is imported (seconds)
+            from kvbench.run import plan_run
+
+            try:
+                plan_run(config, checked_tasks)
+            except ConfigError as err:
+                if not label:
+                    raise
+                raise ConfigError(err.key, err.value, f"{err.allowed} (sweep point {label})") from err
+
+
+def cli(argv: list[str]) -> None:
+    """``python -m kvbench ARGS``: check everything, then hand the command line to Hydra."""
+    verbose = "--verbose" in argv or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    argv = [a for a in argv if a != "--verbose"]
+    try:
+        check_argv(argv)
+        preflight(argv)
+    except ConfigError as err:
+        if verbose:
+            traceback.print_exc()
+        print(f"kvbench: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    sys.argv = [sys.argv[0], *argv]
+    main()
+
+
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from kvbench.run import execute, format_table, summary_line
@@ -154,9 +349,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        check_argv(sys.argv[1:])
-    except ConfigError as err:
-        print(f"kvbench: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    main()
+    cli(sys.argv[1:])

@@ -8,6 +8,7 @@ with an error that names the key and lists the allowed ones.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -36,10 +37,18 @@ def build_config(cls: type[C], node: Mapping[str, Any] | None, prefix: str) -> C
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(
-            f"{prefix}.{unknown[0]}", data[unknown[0]], f"unknown key; allowed: {', '.join(sorted(names))}"
-        )
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(key, data[unknown[0]], unknown_key(unknown[0], names))
     return cls(**data)
+
+
+def unknown_key(name: str, known) -> str:
+    """The ``allowed`` text for a key that does not exist: the closest known key first, since a
+    typo (``grop_size``, ``bit``) is the usual cause."""
+    known = sorted(known)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return f"unknown key; {hint}allowed: {', '.join(known)}"
 
 
 def is_int(x: Any) -> bool:

@@ -15,6 +15,7 @@ The root is ``data.root`` when given, else ``$KVBENCH_DATA_DIR``, else ``$KVBENC
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -83,3 +84,36 @@ def require_file(root: Path, relpath: str, what: str) -> Path:
     if path.exists():
         return path
     raise missing_file(root, relpath, what)
+
+
+def read_text(path: Path) -> str:
+    """A data file as UTF-8 text; a file in another encoding is a ConfigError naming it and the
+    first bad byte (a UnicodeDecodeError traceback does not say which file of a folder it was)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        bad = err.object[err.start : err.start + 1]
+        raise ConfigError(
+            ROOT_KEY, str(path), f"a UTF-8 text file; byte {err.start} is {bad!r} (re-save the file as UTF-8)"
+        ) from None
+
+
+def read_json_lines(path: Path) -> list:
+    """The records of a JSON-lines data file (blank lines skipped), or a ConfigError naming the line."""
+    rows = []
+    for number, line in enumerate(read_text(path).splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ConfigError(
+                    ROOT_KEY, str(path), f"JSON lines; line {number} is not JSON ({err.msg})"
+                ) from None
+    return rows
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(read_text(path))
+    except json.JSONDecodeError as err:
+        raise ConfigError(ROOT_KEY, str(path), f"a JSON file; line {err.lineno}: {err.msg}") from None

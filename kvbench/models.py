@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -86,6 +87,12 @@ class ModelConfig:
 
     def _check_source(self) -> None:
         """Exactly one weights source, unless ``path`` overrides whatever the node names."""
+        if self.path is not None and not str(self.path).strip():
+            # `model.path=$MODEL_DIR` with the variable unset: falling back to the node's own source
+            # would run a different model than the one asked for
+            raise ConfigError(
+                "model.path", self.path, "a local model folder, or null for the node's own source"
+            )
         if self.path:
             return
         if self.gguf_package and self.hub_id:
@@ -125,7 +132,12 @@ class ModelShape:
 
 def model_shape(model: torch.nn.Module, max_context: int | None = None) -> ModelShape:
     """Read the shape from ``model.config``; ``max_context`` (a ModelConfig override) wins when given."""
-    config = model.config.get_text_config()
+    return shape_of_config(model.config, max_context)
+
+
+def shape_of_config(config: Any, max_context: int | None = None) -> ModelShape:
+    """:func:`model_shape` from a transformers config alone (no weights needed)."""
+    config = config.get_text_config()
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return ModelShape(
@@ -180,14 +192,74 @@ def load_model(
     return _freeze(model), tokenizer
 
 
+WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def _local_folder(path: str | None) -> Path:
-    """The folder behind ``model.path``, which must hold at least a config.json."""
+    """The folder behind ``model.path``: a Hugging Face model folder with a readable config.json,
+    weights and a tokenizer. Checked file by file so a half-copied folder is named as such before
+    transformers fails somewhere inside the load."""
     folder = Path(str(path)).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ConfigError(
-            "model.path", path, "a local Hugging Face model folder (with config.json); not found"
-        )
+    what = "a local Hugging Face model folder (config.json, weights, tokenizer)"
+    if not folder.is_dir():
+        raise ConfigError("model.path", path, f"{what}; no such folder")
+    try:
+        json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("model.path", path, f"{what}; it has no config.json") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError("model.path", path, f"{what}; its config.json does not parse ({err})") from None
+    if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_GLOBS):
+        raise ConfigError("model.path", path, f"{what}; it has no weights ({', '.join(WEIGHT_GLOBS)})")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError("model.path", path, f"{what}; it has no tokenizer ({', '.join(TOKENIZER_FILES)})")
     return folder
+
+
+def files_folder(cfg: ModelConfig) -> Path | None:
+    """The local folder that holds this model's config.json and tokenizer, found without loading,
+    converting or downloading anything; None when it is not on disk yet (a GGUF never converted, a
+    Hub model not in the cache)."""
+    if cfg.source == "path":
+        return _local_folder(cfg.path)
+    if cfg.source == "gguf":
+        folder = converted_dir(cfg)
+        return folder if (folder / "config.json").is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(cfg.hub_id, "config.json", revision=cfg.revision)
+    return Path(found).parent if isinstance(found, str) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _config_and_tokenizer(folder: str) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    _ensure_pad_token(tokenizer)
+    return config, tokenizer
+
+
+def peek_model(cfg: ModelConfig) -> tuple[ModelShape, Any] | None:
+    """``(shape, tokenizer)`` from the model's files alone, so checks against head_dim, the context
+    limit or the chat template run before the weights load; None when the files are not local yet
+    (those checks then run after the load)."""
+    folder = files_folder(cfg)
+    if folder is None:
+        return None
+    try:
+        config, tokenizer = _config_and_tokenizer(str(folder))
+    except (OSError, ValueError, KeyError) as err:
+        if cfg.source != "path":
+            return None  # the load itself reports it, with the source's own hint
+        raise ConfigError(
+            "model.path",
+            cfg.path,
+            f"config or tokenizer does not load ({type(err).__name__}: {_first_line(err)})",
+        ) from err
+    return shape_of_config(config, cfg.max_context), tokenizer
 
 
 def _from_folder(

@@ -2,8 +2,10 @@
 
 Writes never leave a half file behind: JSON files are written to a temporary file and renamed;
 each sample row is one ``write`` of a complete line followed by ``fsync``, so a killed run keeps
-every finished row, and a partial last line (from a kill mid-write) is ignored and rewritten on
-resume.
+every finished row. Reading for a resume never drops a line silently: a line that is not a complete
+row (a partial last line from a kill mid-write, or a line damaged by hand) moves to
+``samples.rejected.jsonl`` with a warning, every valid row around it is kept, and its sample runs
+again. Temporary files of a write that was killed are removed by the next run of the folder.
 """
 
 from __future__ import annotations
@@ -76,17 +78,36 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+REQUIRED_ROW_KEYS = ("sample_id",)
+
+
+def _row_problem(raw: bytes) -> str | None:
+    """Why ``raw`` (one line of samples.jsonl) is not a row; None when it is one."""
+    if not raw.endswith(b"\n"):
+        return "no newline at the end (a write cut short)"
+    try:
+        row = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return f"not JSON ({err.__class__.__name__})"
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    missing = [k for k in REQUIRED_ROW_KEYS if not isinstance(row.get(k), str)]
+    return f"no {', '.join(missing)}" if missing else None
+
+
 class RunFolder:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.samples_path = self.path / "samples.jsonl"
+        self.rejected_path = self.path / "samples.rejected.jsonl"
         self.path.mkdir(parents=True, exist_ok=True)
 
     @contextlib.contextmanager
     def lock(self):
         """Exclusive use of this folder by one process (an advisory ``flock`` on ``.lock``, freed by
         the kernel if the process dies). A second process with the same config blocks until the
-        first is done, so two writers never append the same sample twice."""
+        first is done, so two writers never append the same sample twice. Whoever holds the lock
+        removes the temporary files of writes that a killed process left behind."""
         with open(self.path / ".lock", "a") as handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -94,9 +115,15 @@ class RunFolder:
                 print(f"kvbench: {self.path} is in use by another process; waiting for it", file=sys.stderr)
                 fcntl.flock(handle, fcntl.LOCK_EX)
             try:
+                self.remove_orphans()
                 yield self
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def remove_orphans(self) -> None:
+        """Temporary files from :func:`write_json_atomic`; only safe while holding the lock."""
+        for tmp in self.path.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
 
     def write_config(self, config: dict[str, Any]) -> None:
         write_json_atomic(self.path / "config.json", config)
@@ -104,24 +131,55 @@ class RunFolder:
     def write_metrics(self, metrics: dict[str, Any]) -> None:
         write_json_atomic(self.path / "metrics.json", metrics)
 
-    def rows(self) -> list[dict[str, Any]]:
-        """Finished rows; a truncated last line is dropped (and cut from the file)."""
+    def _scan(self) -> tuple[list[dict[str, Any]], list[bytes], list[dict[str, Any]]]:
+        """(rows, their raw lines, the lines that are not rows as rejection records)."""
+        rows, kept, rejected = [], [], []
         if not self.samples_path.exists():
-            return []
-        rows, good_bytes = [], 0
+            return rows, kept, rejected
         with open(self.samples_path, "rb") as f:
-            for raw in f:
-                if not raw.endswith(b"\n"):
-                    break
-                try:
+            for number, raw in enumerate(f, 1):
+                problem = _row_problem(raw)
+                if problem is None:
                     rows.append(json.loads(raw))
-                except json.JSONDecodeError:
-                    break
-                good_bytes += len(raw)
-        if good_bytes != self.samples_path.stat().st_size:
-            with open(self.samples_path, "r+b") as f:
-                f.truncate(good_bytes)
+                    kept.append(raw)
+                else:
+                    text = raw.decode("utf-8", "backslashreplace").rstrip("\n")
+                    rejected.append({"line": number, "reason": problem, "text": text})
+        return rows, kept, rejected
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Finished rows, in file order; lines that are not rows are skipped, and the file is left
+        as it is (a reader may look at a folder while its run is still appending)."""
+        return self._scan()[0]
+
+    def resume_rows(self) -> list[dict[str, Any]]:
+        """:meth:`rows`, for the process that holds the lock and is about to append: lines that are
+        not rows move to samples.rejected.jsonl (one JSON record each: line number, reason, text),
+        samples.jsonl is rewritten without them, and one warning counts them."""
+        rows, kept, rejected = self._scan()
+        if rejected:
+            self._set_aside(rejected, b"".join(kept))
         return rows
+
+    def _set_aside(self, rejected: list[dict[str, Any]], kept: bytes) -> None:
+        # the rejected lines are saved (and synced) before samples.jsonl loses them
+        with open(self.rejected_path, "a") as f:
+            f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rejected)
+            f.flush()
+            os.fsync(f.fileno())
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{self.samples_path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.samples_path)
+        where = "; ".join(f"line {r['line']}: {r['reason']}" for r in rejected[:3])
+        more = f"; and {len(rejected) - 3} more" if len(rejected) > 3 else ""
+        print(
+            f"kvbench: warning: {self.samples_path}: {len(rejected)} malformed line(s) moved to "
+            f"{self.rejected_path.name}, their samples run again ({where}{more})",
+            file=sys.stderr,
+        )
 
     def append(self, row: dict[str, Any]) -> None:
         line = json.dumps(_clean(row), sort_keys=True, default=str) + "\n"

@@ -1,16 +1,21 @@
-"""One run: load the model, build the method and the task, run the samples, write the results.
+"""One run: validate everything, load the model, build the method and the task, run the samples,
+write the results.
 
-No method or task logic lives here: both come from their registries.
+No method or task logic lives here: both come from their registries. :func:`plan_run` is the one
+place where a configuration is checked; it reads the model's config.json and tokenizer but no weights
+and writes nothing, so a bad input costs seconds and leaves no folder behind.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +23,42 @@ import torch
 from tqdm import tqdm
 
 import kvbench
-from kvbench.config import build_config, check_choice, to_plain
+from kvbench.config import build_config, check_choice, is_int, is_number, require, to_plain, unknown_key
 from kvbench.data import resolve_data_root
-from kvbench.methods import build_method
-from kvbench.results import RunFolder, run_id
-from kvbench.tasks import build_task
+from kvbench.errors import ConfigError
+from kvbench.methods import Method, build_method
+from kvbench.results import RunFolder, analysis_plan, canonical_json, run_id
+from kvbench.tasks import Task, build_task
+
+# Top-level keys other than RunConfig's own: nodes validated by their own dataclasses.
+NODE_KEYS = ("model", "task", "method", "logger", "analysis")
+SEED_LIMIT = 2**32  # numpy's generators take seeds below this; torch takes them too
 
 
 @dataclass
 class OutputConfig:
     root: str = "results/runs"
     resume: bool = True
+
+    def __post_init__(self):
+        require(
+            isinstance(self.root, str) and self.root.strip() != "", "output.root", self.root, "a folder path"
+        )
+        require(isinstance(self.resume, bool), "output.resume", self.resume, "true or false")
+
+    def check_root(self) -> None:
+        """The root can be created and written. Probed by making and removing a temporary folder in
+        its nearest existing ancestor: permission bits say yes to root on read-only mounts (/sys)."""
+        root = Path(self.root).expanduser()
+        existing = next(p for p in (root, *root.parents) if p.exists())
+        if not existing.is_dir():
+            raise ConfigError("output.root", self.root, f"a folder; {existing} is a file")
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".kvbench-probe-", dir=existing))
+        except OSError as err:
+            raise ConfigError(
+                "output.root", self.root, f"a folder kvbench can create and write; {existing}: {err.strerror}"
+            ) from None
 
 
 @dataclass
@@ -47,7 +77,23 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self):
+        # a negative or fractional seed would run, into a folder named seed-1 or seed1.5
+        require(
+            is_int(self.seed) and 0 <= self.seed < SEED_LIMIT,
+            "seed",
+            self.seed,
+            f"an int in 0..{SEED_LIMIT - 1}",
+        )
+        require(
+            self.bits is None or (is_number(self.bits) and self.bits > 0),
+            "bits",
+            self.bits,
+            "a positive number (log2 of a level count), or null for the method's default",
+        )
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        if self.device == "cuda" and not torch.cuda.is_available():
+            why = "torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ConfigError("device", self.device, f"auto or cpu here: {why}")
         if isinstance(self.output, dict):
             self.output = build_config(OutputConfig, self.output, "output")
         if isinstance(self.data, dict):
@@ -102,39 +148,136 @@ def memory_summary(rows: list[dict]) -> dict[str, Any]:
     return summary
 
 
-def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
-    """Run one configuration (a Hydra DictConfig or a plain dict); returns the metrics written."""
-    from kvbench.models import ModelConfig, load_model, model_shape
+@dataclass
+class RunPlan:
+    """A validated run: what it computes, where its results go, and what it will warn about."""
+
+    config: dict[str, Any]
+    run: RunConfig
+    model: Any  # a kvbench.models.ModelConfig
+    method: Method
+    task: Task
+    data_root: Path
+    samples: list[dict[str, Any]]
+    run_id: str
+    folder: Path
+    model_checked: bool  # the checks against the model's shape and tokenizer ran on its files
+    warnings: dict[str, str]
+
+
+def check_against_model(method: Method, task: Task, shape, tokenizer) -> None:
+    method.config.check_model(shape)
+    task.check_model(shape, tokenizer)
+
+
+def bits_ignored(config: dict[str, Any], method: Method) -> dict[str, str]:
+    """The top-level ``bits`` reaches a method only through a ``bits`` key in its node (see
+    :func:`kvbench.results.canonical_config`); where there is none, the value changes nothing."""
+    bits, node = config.get("bits"), config.get("method")
+    if bits is None or (node and "bits" in node):
+        return {}
+    why = (
+        "no +method was given, so this is the FP16 baseline" if not node else f"{method.label()} has no bits"
+    )
+    return {"bits_ignored": f"bits={bits:g} is ignored: {why}"}
+
+
+def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
+    """Check a configuration (a Hydra DictConfig or a plain dict) against itself, the machine, the
+    data and the model's files; raise ConfigError on the first problem. Cheapest checks first.
+
+    ``checked_tasks`` lets a sweep check each distinct (task, model, data, seed) once: loading a
+    task's samples can take seconds (lm-eval builds its dataset), and most sweeps vary the method."""
+    from kvbench.logger import LoggerConfig
+    from kvbench.models import ModelConfig, peek_model
 
     config = to_plain(cfg)
-    run_cfg = build_config(
-        RunConfig, {k: config[k] for k in ("seed", "bits", "device", "output", "data") if k in config}, ""
-    )
+    run_keys = [f.name for f in fields(RunConfig)]
+    for key in config:
+        if key not in run_keys and key not in NODE_KEYS:
+            raise ConfigError(key, config[key], unknown_key(key, [*run_keys, *NODE_KEYS]))
+    run_cfg = build_config(RunConfig, {k: config[k] for k in run_keys if k in config}, "")
+    build_config(LoggerConfig, config.get("logger"), "logger")
+    if config.get("analysis") is not None:
+        analysis_plan(config["analysis"])
     method = build_method(config.get("method"))
-    model_cfg = build_config(ModelConfig, config["model"], "model")
+    model_cfg = build_config(ModelConfig, config.get("model"), "model")
+    run_cfg.output.check_root()
     data_root = resolve_data_root(run_cfg.data.root)
-    task = build_task(config["task"], data_root, run_cfg.seed)
-    samples = task.samples()  # fails fast on missing data, before the model loads
-
+    task = build_task(config.get("task"), data_root, run_cfg.seed)
+    task_key = canonical_json([config.get("task"), config.get("model"), str(data_root), run_cfg.seed])
+    known = (checked_tasks or {}).get(task_key)
+    samples = known if known is not None else task.samples()  # fails on missing or unreadable data
+    peeked = peek_model(model_cfg)
+    if peeked is not None:
+        method.config.check_model(peeked[0])
+        if known is None:
+            task.check_model(*peeked)
+    if checked_tasks is not None:
+        checked_tasks[task_key] = samples
     rid = run_id(config)
-    folder = RunFolder(
+    folder = (
         Path(run_cfg.output.root)
         / task.registered_name
         / model_cfg.name
         / method.label()
         / f"seed{run_cfg.seed}-{rid}"
     )
+    warnings = {**method.config.context_warnings(task.prompt_lengths()), **bits_ignored(config, method)}
+    return RunPlan(
+        config,
+        run_cfg,
+        model_cfg,
+        method,
+        task,
+        data_root,
+        samples,
+        rid,
+        folder,
+        peeked is not None,
+        warnings,
+    )
+
+
+def warn(message: str) -> None:
+    print(f"kvbench: warning: {message}", file=sys.stderr)
+
+
+def memory_warnings(memory: dict[str, Any], label: str) -> dict[str, str]:
+    """A cache that ended up larger than FP16 defeats the point of the method, whatever the cause."""
+    ratio = memory.get("compression")
+    if ratio is None or ratio >= 1.0:
+        return {}
+    return {
+        "more_bytes_than_fp16": f"{label} held {1 / ratio:.2f}x the bytes of an FP16 cache "
+        f"({memory.get('effective_bits'):.3g} effective bits per value)"
+    }
+
+
+def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
+    """Run one configuration (a Hydra DictConfig or a plain dict); returns the metrics written."""
+    from kvbench.models import load_model, model_shape
+
+    plan = plan_run(cfg)
+    config, run_cfg, model_cfg, method, task = plan.config, plan.run, plan.model, plan.method, plan.task
+    samples, rid = plan.samples, plan.run_id
+    folder = RunFolder(plan.folder)
     # One process per run folder: a parallel sweep (Slurm array, submitit) can map several points
     # to one folder (fp16 ignores bits); the second waits, then resumes and finds nothing to do.
     with folder.lock():
         folder.write_config({**config, "run_id": rid})
-        done = {r["sample_id"]: r for r in folder.rows()} if run_cfg.output.resume else {}
+        done = {r["sample_id"]: r for r in folder.resume_rows()} if run_cfg.output.resume else {}
         todo = [s for s in samples if s["id"] not in done]
         finished = folder.path / "metrics.json"
         if not todo and finished.exists():
             # a resubmitted sweep: this point is complete, so skip the model load as well
-            return {**json.loads(finished.read_text()), "folder": str(folder.path)}
+            try:
+                return {**json.loads(finished.read_text()), "folder": str(folder.path)}
+            except (ValueError, TypeError):  # damaged by hand: aggregate the rows again
+                warn(f"{finished} does not parse as a JSON object; it is written again from the samples")
 
+        for message in plan.warnings.values():
+            warn(message)
         torch.manual_seed(run_cfg.seed)
         t0 = time.perf_counter()
         from kvbench.cache import ATTN_IMPLEMENTATION
@@ -145,9 +288,9 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
         )
         load_s = time.perf_counter() - t0
         shape = model_shape(model, model_cfg.max_context)
-        method.config.check_model(shape)
-        task.check_model(shape, tokenizer)
-        method.prepare(model, tokenizer, shape, data_root)
+        if not plan.model_checked:
+            check_against_model(method, task, shape, tokenizer)
+        method.prepare(model, tokenizer, shape, plan.data_root)
         runner = ModelRunner(model, tokenizer, method, shape)
 
         t_run = time.perf_counter()
@@ -174,6 +317,10 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
             bar.set_postfix({task.primary_metric: f"{row.get(task.primary_metric, float('nan')):.3g}"})
 
         rows = [done[s["id"]] for s in samples if s["id"] in done]
+        memory = memory_summary(rows)
+        measured = memory_warnings(memory, method.label())
+        for message in measured.values():
+            warn(message)
         metrics = {
             "run_id": rid,
             "task": task.registered_name,
@@ -185,7 +332,8 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
             "seed": run_cfg.seed,
             "primary_metric": task.primary_metric,
             "metrics": task.aggregate(rows),
-            "memory": memory_summary(rows),
+            "memory": memory,
+            "warnings": {**plan.warnings, **measured},
             "timings": {
                 "model_load_s": load_s,
                 "run_s": time.perf_counter() - t_run,
@@ -217,6 +365,8 @@ def summary_line(metrics: dict[str, Any]) -> dict[str, Any]:
         "eff_bits": mem.get("effective_bits"),
         "x_vs_fp16": mem.get("compression"),
         "time_s": metrics["timings"]["run_s"],
+        # a self-defeating setting is named in the table itself, where a sweep's reader looks
+        **({"notes": ", ".join(metrics["warnings"])} if metrics.get("warnings") else {}),
     }
 
 

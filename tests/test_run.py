@@ -73,7 +73,7 @@ def test_truncated_last_line_is_dropped(tmp_path):
     folder.append({"sample_id": "a", "score": 1.0})
     with open(folder.samples_path, "a") as f:
         f.write('{"sample_id": "b", "sco')  # killed mid-write
-    assert [r["sample_id"] for r in folder.rows()] == ["a"]
+    assert [r["sample_id"] for r in folder.resume_rows()] == ["a"]
     folder.append({"sample_id": "b", "score": 0.5})
     assert [r["sample_id"] for r in folder.rows()] == ["a", "b"]
 

@@ -9,7 +9,7 @@ import torch
 
 from kvbench.cache import KVBenchCache, KVLayer
 from kvbench.cache.sink import SinkLayer
-from kvbench.config import DTYPES, build_config, check_choice, require
+from kvbench.config import DTYPES, build_config, check_choice, is_int, require
 from kvbench.errors import ConfigError
 from kvbench.kernels.runtime import require_triton
 from kvbench.models import ModelShape
@@ -70,8 +70,25 @@ class MethodConfig:
     def check_model(self, shape: ModelShape) -> None:
         """Checks that need the model (group sizes against head_dim, ...). Raise ConfigError."""
 
+    def context_warnings(self, lengths: list[int]) -> dict[str, str]:
+        """Settings that defeat the method at these prompt lengths (tokens): warning code -> one line.
+        They stay legal (an FP16 upper bound is a fair thing to measure), but a long unattended sweep
+        must not report such a point as a compressed cache without saying so."""
+        return covers_context("sink_tokens", self.sink_tokens, lengths, "every token is kept lossless")
+
     def torch_fp_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype if self.fp_dtype == "auto" else getattr(torch, self.fp_dtype)
+
+
+def covers_context(key: str, value: Any, lengths: list[int], consequence: str) -> dict[str, str]:
+    """The warning for a token count ``method.<key>`` that reaches the prompt length, if it does."""
+    covered = [n for n in lengths if is_int(value) and value >= n]
+    if not covered:
+        return {}
+    where = "every prompt length" if len(covered) == len(lengths) else f"prompt lengths {covered}"
+    return {
+        f"{key}_covers_context": f"method.{key}={value} covers the whole prompt at {where}: {consequence}"
+    }
 
 
 def check_group(key: str, group_size: int | None, dim: int, what: str) -> None:

@@ -36,7 +36,7 @@ import torch
 from kvbench.cache.accounting import tensor_bytes
 from kvbench.cache.eviction import EvictionLayer, budget_tokens
 from kvbench.config import build_config, check_choice, is_int, require
-from kvbench.methods.base import METHODS, Method, MethodConfig, ModelShape
+from kvbench.methods.base import METHODS, Method, MethodConfig, ModelShape, covers_context
 
 EVICTION_METHODS = ("streamingllm", "h2o", "snapkv", "random_prune")
 MATCHED_SEED = 0  # keys/values fed to the matched cache: its bytes do not depend on them
@@ -72,6 +72,16 @@ class EvictionConfig(MethodConfig):
     def check_model(self, shape: ModelShape) -> None:
         if self.matched_method is not None:
             self.matched_method.config.check_model(shape)
+
+    def context_warnings(self, lengths):
+        if self.matched_method is not None:
+            return {}  # the budget follows the matched method's bytes, not method.budget
+        keep_all = "every token is kept: the cache is the FP16 baseline"
+        if isinstance(self.budget, float):
+            if self.budget < 1.0:
+                return {}
+            return {"budget_covers_context": f"method.budget={self.budget:g} is the whole prompt: {keep_all}"}
+        return covers_context("budget", self.budget, lengths, keep_all)
 
 
 def build_matched(node: Any) -> Method:

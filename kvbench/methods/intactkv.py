@@ -51,6 +51,9 @@ class IntactKVConfig(MethodConfig):
     def check_model(self, shape):
         self.base_method.config.check_model(shape)
 
+    def context_warnings(self, lengths):
+        return self.base_method.config.context_warnings(lengths)
+
 
 @register_method("intactkv")
 class IntactKV(Method):

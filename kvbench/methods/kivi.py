@@ -37,7 +37,7 @@ from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens, merge_held
 from kvbench.cache.quantized import QuantizedTokens
 from kvbench.config import check_choice, require
-from kvbench.methods.base import Method, MethodConfig, check_group, register_method
+from kvbench.methods.base import Method, MethodConfig, check_group, covers_context, register_method
 from kvbench.methods.uniform import ZERO_POINTS, zero_point_for
 from kvbench.quant.attention_ref import PackedKV
 
@@ -72,6 +72,12 @@ class KIVIConfig(MethodConfig):
 
     def check_model(self, shape):
         check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")
+
+    def context_warnings(self, lengths):
+        return {
+            **super().context_warnings(lengths),
+            **covers_context("residual", self.residual, lengths, "the whole prompt stays in full precision"),
+        }
 
 
 class KIVILayer(KVLayer):

@@ -61,7 +61,7 @@ from kvbench.cache import KVLayer
 from kvbench.cache.layer import cat_tokens, merge_held
 from kvbench.cache.quantized import QuantizedTokens
 from kvbench.config import check_choice, is_int, require
-from kvbench.methods.base import Method, MethodConfig, check_group, register_method
+from kvbench.methods.base import Method, MethodConfig, check_group, covers_context, register_method
 from kvbench.methods.kivi import KIVILayer
 from kvbench.methods.uniform import ZERO_POINTS, zero_point_for
 
@@ -117,6 +117,12 @@ class OTTConfig(MethodConfig):
 
     def check_model(self, shape):
         check_group("method.value_group_size", self.value_group_size, shape.head_dim, "head_dim")
+
+    def context_warnings(self, lengths):
+        return {
+            **super().context_warnings(lengths),
+            **covers_context("residual", self.residual, lengths, "the whole prompt stays in full precision"),
+        }
 
 
 class Pool(NamedTuple):

@@ -58,7 +58,7 @@ from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens, merge_held
 from kvbench.cache.quantized import QuantizedTokens
 from kvbench.config import is_int, is_number, require
-from kvbench.methods.base import Method, MethodConfig, check_group, register_method
+from kvbench.methods.base import Method, MethodConfig, check_group, covers_context, register_method
 from kvbench.methods.ott import additive_mask
 from kvbench.quant.packing import unpack
 from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
@@ -117,6 +117,12 @@ class ReadKVConfig(MethodConfig):
 
     def check_model(self, shape):
         check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")
+
+    def context_warnings(self, lengths):
+        return {
+            **super().context_warnings(lengths),
+            **covers_context("residual", self.residual, lengths, "the whole prompt stays in full precision"),
+        }
 
 
 class Codes(NamedTuple):

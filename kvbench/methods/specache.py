@@ -61,7 +61,7 @@ import torch
 from kvbench.cache import KVBenchCache
 from kvbench.cache.layer import cat_tokens, merge_held
 from kvbench.config import require
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import Method, covers_context, register_method
 from kvbench.methods.kivi import KIVIConfig, KIVILayer
 
 # Host buffers grow by this many tokens past the prompt, so that decoding reallocates rarely; the
@@ -100,6 +100,17 @@ class SpeCacheConfig(KIVIConfig):
             self.sink_tokens,
             "0 (specache keeps every token in full precision on the host and fetches what it needs)",
         )
+
+    def context_warnings(self, lengths):
+        return {
+            **super().context_warnings(lengths),
+            **covers_context(
+                "topk",
+                self.topk,
+                lengths,
+                "every token is fetched in FP16 on top of the low-bit copy, more bytes than FP16",
+            ),
+        }
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens
 from kvbench.config import is_int, require
 from kvbench.errors import ConfigError
-from kvbench.methods.base import Method, MethodConfig, register_method
+from kvbench.methods.base import Method, MethodConfig, covers_context, register_method
 from kvbench.quant.lloyd_max import lloyd_max_codebook, quantize_scalar, random_rotation
 from kvbench.quant.packing import pack, unpack
 
@@ -80,6 +80,12 @@ class TurboQuantConfig(MethodConfig):
             "a non-negative token count (0: no full-precision window)",
         )
         self.resolve_kv_bits()
+
+    def context_warnings(self, lengths):
+        return {
+            **super().context_warnings(lengths),
+            **covers_context("residual", self.residual, lengths, "the whole prompt stays in full precision"),
+        }
 
 
 def head_seed(seed: int, layer_idx: int, head: int) -> int:

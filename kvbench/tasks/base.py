@@ -53,6 +53,11 @@ class Task:
     def check_model(self, shape, tokenizer) -> None:
         """Raise ConfigError when the task cannot run on this model (e.g. context too long)."""
 
+    def prompt_lengths(self) -> list[int]:
+        """The prompt lengths (tokens) the samples will have, where the config fixes them; methods
+        compare their token budgets against these. Empty when they are known only per sample."""
+        return []
+
     def run(self, sample: dict[str, Any], runner) -> dict[str, Any]:
         """Run one sample with a :class:`kvbench.generate.ModelRunner`. Returns the row: at least
         ``prompt_tokens``, ``prediction`` and every score (``self.primary_metric`` among them);

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from kvbench.config import check_choice, is_int, require
-from kvbench.data import require_file
+from kvbench.data import read_json, read_json_lines, require_file
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
 from kvbench.tasks.longbench_metrics import score_sample
@@ -140,7 +140,7 @@ def load_protocol(data_root: Path) -> tuple[dict[str, str], dict[str, int]]:
     """The official prompt templates and generation lengths from the data root."""
     prompts = require_file(data_root, f"{CONFIG_DIR}/dataset2prompt.json", "LongBench prompt templates")
     lengths = require_file(data_root, f"{CONFIG_DIR}/dataset2maxlen.json", "LongBench generation lengths")
-    return json.loads(prompts.read_text(encoding="utf-8")), json.loads(lengths.read_text(encoding="utf-8"))
+    return read_json(prompts), read_json(lengths)
 
 
 def _read_jsonl(lines) -> list[dict[str, Any]]:
@@ -166,10 +166,10 @@ def load_rows(source: str, data_root: Path, task: str) -> list[dict[str, Any]]:
     """The task's rows, in file order, from ``source`` (``hub`` or ``minilongbench``)."""
     if source == "minilongbench":
         path = require_file(data_root, f"{MINI_DIR}/{task}.jsonl", f"MiniLongBench subset ({task})")
-        return _read_jsonl(path.read_text(encoding="utf-8").splitlines())
+        return read_json_lines(path)
     local = Path(data_root) / FULL_DIR / f"{task}.jsonl"
     if local.is_file():
-        return _read_jsonl(local.read_text(encoding="utf-8").splitlines())
+        return read_json_lines(local)
     return _read_jsonl(_hub_lines(task))
 
 

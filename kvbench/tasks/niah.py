@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from kvbench.config import check_choice, is_int, is_number, require
-from kvbench.data import missing_file
+from kvbench.data import missing_file, read_text
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
 
@@ -79,7 +79,7 @@ def load_haystack(data_root: Path, seed: int | None = None) -> str:
     files = {f.name: f for f in folder.glob("*.txt")} if folder.is_dir() else {}
     if not files:
         raise missing_file(data_root, f"{HAYSTACK_DIR}/*.txt", "the NIAH haystack essays")
-    return "\n\n".join(files[name].read_text(encoding="utf-8") for name in essay_order(list(files), seed))
+    return "\n\n".join(read_text(files[name]) for name in essay_order(list(files), seed))
 
 
 def kamradt_grid(min_length: int, max_length: int, num_lengths: int, num_depths: int):
@@ -245,6 +245,15 @@ class NIAH(Task):
                 too_long,
                 f"the model's context is {limit} tokens; use lengths <= {limit}",
             )
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                "model",
+                getattr(tokenizer, "name_or_path", None),
+                "a model whose tokenizer has a chat template (niah prompts are chat-formatted)",
+            )
+
+    def prompt_lengths(self) -> list[int]:
+        return list(self.config.context_lengths)
 
     def haystack_ids(self, tokenizer, n: int) -> list[int]:
         """At least ``n`` haystack token ids: the essays tokenized once, repeated as text if short."""

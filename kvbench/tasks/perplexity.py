@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from kvbench.config import check_choice, is_int, require
-from kvbench.data import missing_file
+from kvbench.data import missing_file, read_text
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
 
@@ -114,12 +114,20 @@ def read_c4_documents(path: Path, n: int) -> list[str]:
     """The ``text`` of the first ``n`` documents of a C4 shard (JSON lines, gzipped or not)."""
     opener = gzip.open if path.name.endswith(".gz") else open
     docs = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                docs.append(json.loads(line)["text"])
-            if len(docs) == n:
-                break
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    docs.append(json.loads(line)["text"])
+                if len(docs) == n:
+                    break
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        # a corrupt shard is a data problem, named as such, not a traceback from the JSON reader
+        raise ConfigError(
+            "data.root",
+            str(path),
+            f"a C4 shard of JSON lines with a text field; document {len(docs) + 1}: {err}",
+        ) from None
     return docs
 
 
@@ -166,11 +174,9 @@ def load_text(data_root: Path, dataset: str, book: str | list[str] = "10146", c4
     if dataset == "c4":
         return to_lf(" ".join(c4_documents(data_root, c4_docs)))
     if dataset == "pg19":
-        bodies = [
-            to_lf(gutenberg_body(p.read_text(encoding="utf-8"), str(p))) for p in pg19_books(data_root, book)
-        ]
+        bodies = [to_lf(gutenberg_body(read_text(p), str(p))) for p in pg19_books(data_root, book)]
         return "\n\n".join(bodies)
-    return to_lf(data_file(data_root, dataset, book).read_text(encoding="utf-8"))
+    return to_lf(read_text(data_file(data_root, dataset, book)))
 
 
 def split_windows(
@@ -280,6 +286,9 @@ class Perplexity(Task):
                 f"context_length + continuation_length = {need} exceeds the model's {limit}-token context",
             )
         self.window_pairs(tokenizer)
+
+    def prompt_lengths(self) -> list[int]:
+        return [self.config.context_length]
 
     def run(self, sample: dict[str, Any], runner) -> dict[str, Any]:
         context, continuation = self.window_pairs(runner.tokenizer)[sample["window"]]
