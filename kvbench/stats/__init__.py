@@ -3,6 +3,7 @@ runaway generations and the sample sizes a comparison needs (``power``)."""
 
 from kvbench.stats.cliff import (
     Cliff,
+    degenerate_rate,
     is_degenerate,
     is_runaway,
     locate_cliff,
@@ -43,6 +44,7 @@ __all__ = [
     "bootstrap_ci",
     "cohens_dz",
     "compare",
+    "degenerate_rate",
     "holm",
     "is_degenerate",
     "is_runaway",
