@@ -2,7 +2,9 @@
 
     python -m kvbench.report results/runs                 # -> results/runs/report/
     python -m kvbench.report results/semkv_cliff --out /tmp/rep --resamples 2000
-    python -m kvbench.report --claims                     # the paper-claims table (results/claims.yaml)
+    python -m kvbench.report --claims [--model NAME]      # claim verdicts -> results/claims/<model>.md
+    python -m kvbench.report --archive results/runs       # runs -> results/<experiment>/samples.csv.gz
+    python -m kvbench.report --regenerate                 # make results: everything from the archives
 
 Every run under DIR (searched recursively) is read into one sample frame
 (``kvbench.analysis.frame.load_frame``) and split into analysis units, one per (task, model,
@@ -21,6 +23,13 @@ metric, alpha, margin; defaults: fp16, the task's primary metric, 0.05, no margi
 
 ``OUT/report.md`` gathers the plan, every table and the figure list; ``OUT/samples.csv`` is the
 whole frame. Bad input (no such DIR, no runs in it) prints one line and exits with status 2.
+
+``--archive RUNS`` stores each experiment's sample frame as ``results/<experiment>/samples.csv.gz``
+(``kvbench.analysis.archive``). ``--regenerate`` (``make results``) rewrites, from those archives
+and without a model, each experiment's report under ``results/<experiment>/`` and the claim
+verdicts ``results/claims/<model>.md``; ``--claims`` computes and prints the verdicts only
+(``kvbench.analysis.claims``). Both read run folders instead with ``--runs DIR``: the outputs are the
+same bytes either way.
 """
 
 from __future__ import annotations
@@ -41,7 +50,10 @@ from kvbench.analysis import figures, tables  # noqa: E402
 from kvbench.analysis.frame import groups, load_frame  # noqa: E402
 from kvbench.analysis.units import analyze  # noqa: E402
 
-DEFAULT_CLAIMS = Path(__file__).resolve().parent.parent / "results" / "claims.yaml"
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_RESULTS = REPO / "results"
+DEFAULT_CLAIMS = DEFAULT_RESULTS / "claims.yaml"
+CONF = REPO / "conf"
 
 
 class ReportError(Exception):
@@ -138,22 +150,24 @@ def _plan_lines(plan: dict[str, Any]) -> list[str]:
     ]
 
 
-def build_report(
-    root: str | Path, out: str | Path | None = None, seed: int = 0, n_resamples: int = 10_000, say=print
+def write_report(
+    frame: pd.DataFrame,
+    out: str | Path,
+    title: str,
+    seed: int = 0,
+    n_resamples: int = 10_000,
+    say=print,
+    write_samples: bool = True,
 ) -> dict[str, Any]:
-    """Read every run under ``root`` and write the report into ``out`` (default ``root/report``).
-    Returns the frame, the output folder and each unit's tables and figure paths."""
-    root = Path(root)
-    if not root.is_dir():
-        raise ReportError(f"DIR={root}: no such directory")
-    frame = load_frame(root)
-    if frame.empty:
-        raise ReportError(f"DIR={root}: no runs found (no folder with config.json and samples.jsonl)")
-    out = Path(out) if out is not None else root / "report"
+    """The report of a sample frame into ``out``: ``report.md`` headed ``# Report: TITLE``, one
+    folder per analysis unit and, with ``write_samples``, the frame as ``samples.csv``. Returns the
+    frame, the output folder and each unit's tables and figure paths."""
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    frame.drop(columns=[c for c in frame.columns if frame[c].map(type).eq(dict).any()]).to_csv(
-        out / "samples.csv", index=False
-    )
+    if write_samples:
+        frame.drop(columns=[c for c in frame.columns if frame[c].map(type).eq(dict).any()]).to_csv(
+            out / "samples.csv", index=False
+        )
     units, skipped = [], []
     for key, sub in groups(frame):
         try:
@@ -162,9 +176,9 @@ def build_report(
             skipped.append(str(err))
             say(f"note: skipped {err}")
     if not units:
-        raise ReportError(f"DIR={root}: no analyzable runs ({'; '.join(skipped)})")
+        raise ReportError(f"{title}: no analyzable runs ({'; '.join(skipped)})")
 
-    lines = [f"# Report: `{root}`", ""]
+    lines = [f"# Report: {title}", ""]
     lines.append(f"{len(frame)} sample rows from {frame['run_id'].nunique()} runs.")
     if skipped:
         lines += ["", "Skipped:", ""] + [f"- {s}" for s in skipped]
@@ -185,16 +199,135 @@ def build_report(
         lines += [f"- note: {n}" for n in unit["notes"]]
         hib = unit["paired"].attrs.get("higher_is_better", True)
         orient = "method - reference" if hib else "reference - method (lower is better)"
-        for title, table in (
+        for title_, table in (
             ("Per configuration", unit["means"]),
             (f"Paired against the reference (difference = {orient}; positive = better)", unit["paired"]),
             ("Cliff", unit["cliff"]),
         ):
-            lines += ["", f"### {title}", "", tables.to_markdown(table).rstrip()]
+            lines += ["", f"### {title_}", "", tables.to_markdown(table).rstrip()]
         lines += ["", "### Figures", ""]
         lines += [f"- `{p.relative_to(out)}`" for p in unit["figures"]]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return {"frame": frame, "out": out, "units": units}
+
+
+def build_report(
+    root: str | Path, out: str | Path | None = None, seed: int = 0, n_resamples: int = 10_000, say=print
+) -> dict[str, Any]:
+    """Read every run under ``root`` and write the report into ``out`` (default ``root/report``).
+    Returns the frame, the output folder and each unit's tables and figure paths."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ReportError(f"DIR={root}: no such directory")
+    frame = load_frame(root)
+    if frame.empty:
+        raise ReportError(f"DIR={root}: no runs found (no folder with config.json and samples.jsonl)")
+    out = Path(out) if out is not None else root / "report"
+    try:
+        return write_report(frame, out, f"`{root}`", seed, n_resamples, say)
+    except ReportError as err:
+        raise ReportError(f"DIR={root}: {str(err).split(': ', 1)[1]}") from None
+
+
+# ------------------------------------------------------------------------------ claims, results
+
+
+def claims_results(
+    frames: dict[str, pd.DataFrame],
+    claims_file: str | Path = DEFAULT_CLAIMS,
+    models: list[str] | None = None,
+    seed: int = 0,
+    n_resamples: int = 10_000,
+    conf_dir: Path | None = CONF,
+) -> dict[str, list]:
+    """``{model: [ClaimResult, ...]}`` for every claim on each model: ``models``, or every model
+    with runs plus the default one. ``conf_dir``: where the claims' experiment nodes must exist
+    (None: not checked, for claims on synthetic experiments)."""
+    from kvbench.analysis.claims import DEFAULT_MODEL, evaluate_claims, load_claims
+
+    # Coverage of every seed paper is a property of the committed file, checked by its test; a
+    # claims file given on the command line may hold a subset.
+    claims = load_claims(claims_file, conf_dir=conf_dir, require_all_papers=False)
+    if models is None:
+        seen = {str(m) for f in frames.values() for m in f["model"].dropna().unique()}
+        models = sorted(seen | {DEFAULT_MODEL})
+    return {m: evaluate_claims(claims, frames, m, seed=seed, n_resamples=n_resamples) for m in models}
+
+
+def claims_markdown(model: str, results: list, source: str) -> str:
+    """The generated verdict table of one model (``results/claims/<model>.md``)."""
+    from kvbench.analysis.claims import claims_table, verdict_counts
+
+    lines = [
+        f"# Paper claims on {model}",
+        "",
+        f"Generated by `python -m kvbench.report --claims` from {source}; do not edit. Declarations:",
+        "`results/claims.yaml`; rules and verdicts: `kvbench/analysis/claims.py`. `measured` gives each",
+        "rule's estimate with its paired-bootstrap 95 % interval and pairs n; `n_needed` is the number of",
+        "pairs an inconclusive claim would need (power 0.8 at the observed mean and spread).",
+        "",
+        verdict_counts(results),
+        "",
+        tables.to_markdown(claims_table(results)).rstrip(),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_claims(results_by_model: dict[str, list], out: str | Path, source: str) -> list[Path]:
+    """``out/<model>.md`` and ``.csv`` per model; returns the markdown paths."""
+    from kvbench.analysis.claims import claims_table
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for model, results in results_by_model.items():
+        path = out / f"{_slug(model)}.md"
+        path.write_text(claims_markdown(model, results, source))
+        claims_table(results).to_csv(path.with_suffix(".csv"), index=False)
+        paths.append(path)
+    return paths
+
+
+def regenerate(
+    frames: dict[str, pd.DataFrame],
+    results: str | Path,
+    claims_file: str | Path = DEFAULT_CLAIMS,
+    models: list[str] | None = None,
+    seed: int = 0,
+    n_resamples: int = 10_000,
+    say=print,
+    source: str = "the archives `results/*/samples.csv.gz`",
+    conf_dir: Path | None = CONF,
+) -> list[Path]:
+    """Every output under ``results`` from the frames of each experiment: ``<experiment>/report.md``
+    with its unit folders (tables, figures), and ``claims/<model>.md`` / ``.csv``. The same frames
+    give the same bytes, whether they come from the archives or straight from the run folders."""
+    results = Path(results)
+    written = []
+    for name, frame in sorted(frames.items()):
+        try:
+            report = write_report(
+                frame, results / name, f"`{name}`", seed, n_resamples, say, write_samples=False
+            )
+        except ReportError as err:
+            say(f"note: {err}")
+            continue
+        written.append(report["out"] / "report.md")
+    by_model = claims_results(frames, claims_file, models, seed, n_resamples, conf_dir)
+    written += write_claims(by_model, results / "claims", source)
+    return written
+
+
+def _frames(runs: str | None, results: Path) -> tuple[dict[str, pd.DataFrame], str]:
+    """The experiments' frames and a phrase naming where they came from: the run folders under
+    ``runs`` when given, else the archives under ``results``."""
+    from kvbench.analysis.archive import frames_from_runs, load_archives
+
+    if runs is not None:
+        if not Path(runs).is_dir():
+            raise ReportError(f"--runs={runs}: no such directory")
+        return frames_from_runs(runs), f"the run folders under `{runs}`"
+    return load_archives(results), "the archives `results/*/samples.csv.gz`"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,33 +340,73 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output folder (default: DIR/report)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and permutation resamples")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples per interval")
-    parser.add_argument("--claims", action="store_true", help="print the paper-claims table and exit")
+    parser.add_argument(
+        "--claims",
+        action="store_true",
+        help="compute every claim's verdict, print the table and write RESULTS/claims/<model>.md",
+    )
+    parser.add_argument("--model", action="append", help="with --claims: only this model (repeatable)")
     parser.add_argument(
         "--claims-file", default=str(DEFAULT_CLAIMS), help="claims YAML (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--archive",
+        metavar="RUNS",
+        help="write RESULTS/<experiment>/samples.csv.gz, each experiment's per-sample archive, from RUNS",
+    )
+    parser.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="rewrite every table, figure and claim verdict under RESULTS from the archives (make results)",
+    )
+    parser.add_argument(
+        "--runs",
+        help="with --claims or --regenerate: read the run folders under RUNS instead of the archives",
+    )
+    parser.add_argument(
+        "--results", default=str(DEFAULT_RESULTS), help="results folder (default: %(default)s)"
     )
     parser.add_argument(
         "--wandb", action="store_true", help="also log the figures and tables to Weights & Biases"
     )
     args = parser.parse_args(argv)
+    results = Path(args.results)
     try:
-        if args.claims:
-            from kvbench.analysis.claims import VERDICTS, claims_table, load_claims
-
-            claims = load_claims(args.claims_file)
-            table = claims_table(claims, Path(__file__).resolve().parent.parent / "conf")
-            print(tables.to_markdown(table), end="")
-            counts = table["verdict"].value_counts()
-            print("\n" + "; ".join(f"{v}: {counts.get(v, 0)}" for v in VERDICTS))
-            missing = sorted(
-                {e for e, ok in zip(table["experiment"], table["node"], strict=True) if ok is False}
-            )
-            if missing:
-                print(f"experiment nodes not (yet) in conf/experiment: {', '.join(missing)}")
-            return 0
-        if args.dir is None:
-            raise ReportError("DIR=(missing): give a folder of runs, or --claims")
         if args.resamples < 1:
             raise ReportError(f"--resamples={args.resamples}: must be a positive integer")
+        if args.archive is not None:
+            from kvbench.analysis.archive import write_archives
+
+            if not Path(args.archive).is_dir():
+                raise ReportError(f"--archive={args.archive}: no such directory")
+            written = write_archives(args.archive, results)
+            if not written:
+                raise ReportError(f"--archive={args.archive}: no runs found")
+            for path in written.values():
+                print(f"archive: {path} ({path.stat().st_size} bytes)")
+            return 0
+        if args.regenerate:
+            frames, source = _frames(args.runs, results)
+            paths = regenerate(
+                frames, results, args.claims_file, args.model, args.seed, args.resamples, source=source
+            )
+            for path in paths:
+                print(f"wrote: {path}")
+            return 0
+        if args.claims:
+            from kvbench.analysis.claims import claims_table, verdict_counts
+
+            frames, source = _frames(args.runs, results)
+            by_model = claims_results(frames, args.claims_file, args.model, args.seed, args.resamples)
+            for model, claim_results in by_model.items():
+                print(f"## {model}\n")
+                print(tables.to_markdown(claims_table(claim_results)), end="")
+                print("\n" + verdict_counts(claim_results) + "\n")
+            for path in write_claims(by_model, results / "claims", source):
+                print(f"wrote: {path}")
+            return 0
+        if args.dir is None:
+            raise ReportError("DIR=(missing): give a folder of runs, or --claims / --regenerate / --archive")
         result = build_report(args.dir, args.out, args.seed, args.resamples)
     except ReportError as err:
         print(f"kvbench.report: error: {err}", file=sys.stderr)
