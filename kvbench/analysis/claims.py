@@ -24,8 +24,10 @@ Schema: one mapping per claim under the top-level ``claims:`` list.
   ``cliff_within(f, ref, "(lo, hi]", margin=m)`` the cliff of family f (one arm matching a bit
                               grid) against ref lies in the interval: every grid point >= hi is
                               equivalent to ref (TOST, margin m or the plan's; without a margin:
-                              not significantly worse), and the largest point <= lo is worse
-                              (Holm over the grid, ``kvbench.stats.compare``);
+                              not significantly worse) and the point at lo is worse (Holm over
+                              the grid, ``kvbench.stats.compare``); refuted by a worse point >= hi
+                              or a point <= lo that holds; ``not run`` unless lo and hi are both
+                              grid points;
   ``at_least(a, v)`` / ``at_most(a, v)`` the mean of a's metric is >= v / <= v (one-sample t-test;
                               hit rates, effective bits);
   ``ratio(a, b) >= x`` / ``<= x`` mean(a) / mean(b) against x, tested as the paired mean of
@@ -353,10 +355,10 @@ def select(frame: pd.DataFrame, selector: Mapping[str, Any]) -> pd.DataFrame:
     if "method" in selector:
         keep &= frame["method_name"] == selector["method"]
     if "bits" in selector:
-        keep &= np.isclose(frame["bits"].astype(float), float(selector["bits"]))
+        keep &= pd.Series(np.isclose(frame["bits"].astype(float), float(selector["bits"])), index=frame.index)
     if "config" in selector:
-        configs = frame["method_config"] if "method_config" in frame else pd.Series([{}] * len(frame))
-        keep &= [_subset(selector["config"], c) for c in configs]
+        configs = frame["method_config"] if "method_config" in frame else [{}] * len(frame)
+        keep &= pd.Series([_subset(selector["config"], c) for c in configs], index=frame.index)
     return frame[keep]
 
 
@@ -646,13 +648,14 @@ def _cliff_outcome(ctx: _Context, rule: Rule) -> Outcome:
     n = int(table["n"].min())
     out = Outcome(rule.text, "inconclusive", bracket, None, n)
     out.measured = f"cliff {bracket} on {metric}, n={n} per point; {grid}"
-    if high.empty or at_lo.empty:
-        raise NotRun(
-            f"the grid ({' '.join(f'{b:g}' for b in table['bits'])}) has no point >= {hi:g} or <= {lo:g}"
-        )
     holds = (high["verdict"] == "equivalent") if margin is not None else (high["verdict"] != "worse")
+    # A refutation needs only one side of the interval on the grid, so it is checked first.
     if (high["verdict"] == "worse").any() or at_lo["verdict"].isin(["equivalent", "better"]).any():
         out.verdict = "not reproduced"
+    elif not (np.isclose(table["bits"], hi).any() and np.isclose(table["bits"], lo).any()):
+        # Without grid points at both ends the runs cannot place the cliff inside the interval.
+        grid_text = " ".join(f"{b:g}" for b in table["bits"])
+        raise NotRun(f"the grid ({grid_text}) lacks a point at {hi:g} or at {lo:g}")
     elif holds.all() and (at_lo["verdict"] == "worse").all():
         out.verdict = "reproduced"
     else:
