@@ -14,6 +14,7 @@ gives the same frame (``pandas.testing.assert_frame_equal`` holds, floats bit fo
 - ``name:float``: Python's shortest round-trip ``repr`` (empty = NaN);
 - ``name:int`` / ``name:bool``: integers and booleans without missing values;
 - ``name:str``: text without missing values, verbatim;
+- ``name:strna``: text with missing values, one JSON string or ``null`` per cell;
 - ``name:json``: anything else (lists, dicts such as ``method_config`` or ``hit_rates``, values
   mixed with None), one JSON document per cell with sorted keys.
 
@@ -41,7 +42,7 @@ from kvbench.analysis.frame import load_frame
 ARCHIVE = "samples.csv.gz"
 MANIFEST = "archive.json"
 FORMAT = 1
-_KINDS = ("float", "int", "bool", "str", "json")
+_KINDS = ("float", "int", "bool", "str", "strna", "json")
 
 
 def archive_name(experiment: Any, task: Any) -> str:
@@ -114,8 +115,8 @@ def _kind(column: pd.Series) -> str:
         return "int"
     if pd.api.types.is_float_dtype(dtype):
         return "float"
-    if all(isinstance(v, str) for v in column):
-        return "str"
+    if isinstance(dtype, pd.StringDtype) or all(isinstance(v, str) for v in column):
+        return "str" if column.notna().all() else "strna"
     return "json"
 
 
@@ -135,6 +136,8 @@ def _encode(value: Any, kind: str) -> str:
         return str(int(value)) if kind == "int" else ("true" if value else "false")
     if kind == "str":
         return value
+    if kind == "strna" and not isinstance(value, str):
+        return "null"
     return json.dumps(value, sort_keys=True, default=_plain)
 
 
@@ -146,7 +149,10 @@ def _decode(cells: list[str], kind: str) -> pd.Series:
     if kind == "bool":
         return pd.Series([c == "true" for c in cells], dtype="bool")
     if kind == "str":
-        return pd.Series(cells, dtype="object")
+        # Inferred, as load_frame's DataFrame constructor infers it (pandas' text dtype).
+        return pd.Series(cells)
+    if kind == "strna":
+        return pd.Series([json.loads(c) for c in cells])
     return pd.Series([json.loads(c) for c in cells], dtype="object")
 
 
