@@ -150,6 +150,11 @@ def test_results_from_the_archive_match_results_from_the_runs(runs, tmp_path):
     default = pd.read_csv(direct / "claims" / "smollm2-135m.csv")
     assert set(default["verdict"]) == {"not run"}
     assert (direct / "synthetic_cliff" / "report.md").read_text().startswith("# Report: `synthetic_cliff`")
+    # the paper page puts each claim's published value beside the measured one, then the node's rows
+    page = (direct / "papers" / "semkv_tiny.md").read_text()
+    assert "| c-better | Table 1 | p | chan - fp16 = " in page and "| reproduced |" in page
+    assert "## semkv_cliff" in page and "| ott-2b | 24 |" in page
+    assert "No runs on tiny yet: `python -m kvbench -m +experiment=kivi_gsm8k`" in page
 
 
 def test_cli_archive_then_regenerate(runs, tmp_path, capsys):
