@@ -17,7 +17,7 @@ ifeq ($(USE_SHARED_DATA),1)
 export KVBENCH_DATA_DIR ?= $(if $(wildcard $(SHARED_DATA)),$(SHARED_DATA),)
 endif
 
-.PHONY: setup assets demo test lint format clean figures
+.PHONY: setup assets demo test lint format clean figures results
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,12 @@ format: setup
 
 figures: setup
 	$(PY) scripts/make_figures.py
+
+# Every table, figure and claim verdict under results/ from the committed per-sample archives
+# (results/<experiment>/samples.csv.gz), without a model. Archives are written from run folders
+# with: $(PY) -m kvbench.report --archive results/runs
+results: setup
+	$(PY) -m kvbench.report --regenerate
 
 clean:
 	rm -rf $(VENV)

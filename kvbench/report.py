@@ -2,7 +2,10 @@
 
     python -m kvbench.report results/runs                 # -> results/runs/report/
     python -m kvbench.report results/semkv_cliff --out /tmp/rep --resamples 2000
-    python -m kvbench.report --claims                     # the paper-claims table (results/claims.yaml)
+    python -m kvbench.report --claims [--model NAME]      # claim verdicts -> results/claims/<model>.md
+    python -m kvbench.report --archive results/runs       # runs -> results/<experiment>/samples.csv.gz
+    python -m kvbench.report --regenerate                 # make results: everything from the archives
+    python -m kvbench.report --paper kivi                 # published beside measured -> results/papers/
 
 Every run under DIR (searched recursively) is read into one sample frame
 (``kvbench.analysis.frame.load_frame``) and split into analysis units, one per (task, model,
@@ -21,6 +24,13 @@ metric, alpha, margin; defaults: fp16, the task's primary metric, 0.05, no margi
 
 ``OUT/report.md`` gathers the plan, every table and the figure list; ``OUT/samples.csv`` is the
 whole frame. Bad input (no such DIR, no runs in it) prints one line and exits with status 2.
+
+``--archive RUNS`` stores each experiment's sample frame as ``results/<experiment>/samples.csv.gz``
+(``kvbench.analysis.archive``). ``--regenerate`` (``make results``) rewrites, from those archives
+and without a model, each experiment's report under ``results/<experiment>/`` and the claim
+verdicts ``results/claims/<model>.md``; ``--claims`` computes and prints the verdicts only
+(``kvbench.analysis.claims``). Both read run folders instead with ``--runs DIR``: the outputs are the
+same bytes either way.
 """
 
 from __future__ import annotations
@@ -41,7 +51,10 @@ from kvbench.analysis import figures, tables  # noqa: E402
 from kvbench.analysis.frame import groups, load_frame  # noqa: E402
 from kvbench.analysis.units import analyze  # noqa: E402
 
-DEFAULT_CLAIMS = Path(__file__).resolve().parent.parent / "results" / "claims.yaml"
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_RESULTS = REPO / "results"
+DEFAULT_CLAIMS = DEFAULT_RESULTS / "claims.yaml"
+CONF = REPO / "conf"
 
 
 class ReportError(Exception):
@@ -138,22 +151,24 @@ def _plan_lines(plan: dict[str, Any]) -> list[str]:
     ]
 
 
-def build_report(
-    root: str | Path, out: str | Path | None = None, seed: int = 0, n_resamples: int = 10_000, say=print
+def write_report(
+    frame: pd.DataFrame,
+    out: str | Path,
+    title: str,
+    seed: int = 0,
+    n_resamples: int = 10_000,
+    say=print,
+    write_samples: bool = True,
 ) -> dict[str, Any]:
-    """Read every run under ``root`` and write the report into ``out`` (default ``root/report``).
-    Returns the frame, the output folder and each unit's tables and figure paths."""
-    root = Path(root)
-    if not root.is_dir():
-        raise ReportError(f"DIR={root}: no such directory")
-    frame = load_frame(root)
-    if frame.empty:
-        raise ReportError(f"DIR={root}: no runs found (no folder with config.json and samples.jsonl)")
-    out = Path(out) if out is not None else root / "report"
+    """The report of a sample frame into ``out``: ``report.md`` headed ``# Report: TITLE``, one
+    folder per analysis unit and, with ``write_samples``, the frame as ``samples.csv``. Returns the
+    frame, the output folder and each unit's tables and figure paths."""
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    frame.drop(columns=[c for c in frame.columns if frame[c].map(type).eq(dict).any()]).to_csv(
-        out / "samples.csv", index=False
-    )
+    if write_samples:
+        frame.drop(columns=[c for c in frame.columns if frame[c].map(type).eq(dict).any()]).to_csv(
+            out / "samples.csv", index=False
+        )
     units, skipped = [], []
     for key, sub in groups(frame):
         try:
@@ -162,9 +177,9 @@ def build_report(
             skipped.append(str(err))
             say(f"note: skipped {err}")
     if not units:
-        raise ReportError(f"DIR={root}: no analyzable runs ({'; '.join(skipped)})")
+        raise ReportError(f"{title}: no analyzable runs ({'; '.join(skipped)})")
 
-    lines = [f"# Report: `{root}`", ""]
+    lines = [f"# Report: {title}", ""]
     lines.append(f"{len(frame)} sample rows from {frame['run_id'].nunique()} runs.")
     if skipped:
         lines += ["", "Skipped:", ""] + [f"- {s}" for s in skipped]
@@ -185,16 +200,230 @@ def build_report(
         lines += [f"- note: {n}" for n in unit["notes"]]
         hib = unit["paired"].attrs.get("higher_is_better", True)
         orient = "method - reference" if hib else "reference - method (lower is better)"
-        for title, table in (
+        for title_, table in (
             ("Per configuration", unit["means"]),
             (f"Paired against the reference (difference = {orient}; positive = better)", unit["paired"]),
             ("Cliff", unit["cliff"]),
         ):
-            lines += ["", f"### {title}", "", tables.to_markdown(table).rstrip()]
+            lines += ["", f"### {title_}", "", tables.to_markdown(table).rstrip()]
         lines += ["", "### Figures", ""]
         lines += [f"- `{p.relative_to(out)}`" for p in unit["figures"]]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return {"frame": frame, "out": out, "units": units}
+
+
+def build_report(
+    root: str | Path, out: str | Path | None = None, seed: int = 0, n_resamples: int = 10_000, say=print
+) -> dict[str, Any]:
+    """Read every run under ``root`` and write the report into ``out`` (default ``root/report``).
+    Returns the frame, the output folder and each unit's tables and figure paths."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ReportError(f"DIR={root}: no such directory")
+    frame = load_frame(root)
+    if frame.empty:
+        raise ReportError(f"DIR={root}: no runs found (no folder with config.json and samples.jsonl)")
+    out = Path(out) if out is not None else root / "report"
+    try:
+        return write_report(frame, out, f"`{root}`", seed, n_resamples, say)
+    except ReportError as err:
+        raise ReportError(f"DIR={root}: {str(err).split(': ', 1)[1]}") from None
+
+
+# ------------------------------------------------------------------------------ claims, results
+
+
+def claims_results(
+    frames: dict[str, pd.DataFrame],
+    claims_file: str | Path = DEFAULT_CLAIMS,
+    models: list[str] | None = None,
+    seed: int = 0,
+    n_resamples: int = 10_000,
+    conf_dir: Path | None = CONF,
+) -> dict[str, list]:
+    """``{model: [ClaimResult, ...]}`` for every claim on each model: ``models``, or every model
+    with runs plus the default one. ``conf_dir``: where the claims' experiment nodes must exist
+    (None: not checked, for claims on synthetic experiments)."""
+    from kvbench.analysis.claims import DEFAULT_MODEL, evaluate_claims, load_claims
+
+    # Coverage of every seed paper is a property of the committed file, checked by its test; a
+    # claims file given on the command line may hold a subset.
+    claims = load_claims(claims_file, conf_dir=conf_dir, require_all_papers=False)
+    if models is None:
+        seen = {str(m) for f in frames.values() for m in f["model"].dropna().unique()}
+        models = sorted(seen | {DEFAULT_MODEL})
+    return {m: evaluate_claims(claims, frames, m, seed=seed, n_resamples=n_resamples) for m in models}
+
+
+def claims_markdown(model: str, results: list) -> str:
+    """The generated verdict table of one model (``results/claims/<model>.md``)."""
+    from kvbench.analysis.claims import claims_table, verdict_counts
+
+    lines = [
+        f"# Paper claims on {model}",
+        "",
+        "Generated by `make results` (`python -m kvbench.report --claims`) from the stored runs of each",
+        "claim's experiment; do not edit. Declarations: `results/claims.yaml`; rules and verdicts:",
+        "`kvbench/analysis/claims.py`. `measured` gives each rule's estimate with its paired-bootstrap",
+        "95 % interval and pairs n; `n_needed` is the number of pairs an inconclusive claim would need",
+        "(power 0.8 at the observed mean and spread).",
+        "",
+        verdict_counts(results),
+        "",
+        tables.to_markdown(claims_table(results)).rstrip(),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_claims(results_by_model: dict[str, list], out: str | Path) -> list[Path]:
+    """``out/<model>.md`` and ``.csv`` per model; returns the markdown paths."""
+    from kvbench.analysis.claims import claims_table
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for model, results in results_by_model.items():
+        path = out / f"{_slug(model)}.md"
+        path.write_text(claims_markdown(model, results))
+        claims_table(results).to_csv(path.with_suffix(".csv"), index=False)
+        paths.append(path)
+    return paths
+
+
+PAPER_TITLES = {
+    "kivi": "KIVI (ICML 2024)",
+    "intactkv": "IntactKV (Findings of ACL 2024)",
+    "kvquant": "KVQuant (NeurIPS 2024)",
+    "ott": "OTT (ACL 2025)",
+    "readkv": "ReadKV",
+    "semkv": "SemKV",
+    "specache": "SpeCache (ICML 2025)",
+}
+
+
+def paper_markdown(
+    paper: str,
+    results: list,
+    frames: dict[str, pd.DataFrame],
+    model: str,
+    seed: int = 0,
+    n_resamples: int = 10_000,
+) -> str:
+    """One paper's page: its claims with the published value beside the measured one and the
+    verdict, then, for each experiment node behind them that has runs on ``model``, the mean of the
+    node's metric per configuration (bootstrap interval, effective bits) as the paper's table rows.
+    A first step towards each paper's own table layout."""
+    from kvbench.analysis.units import analyze
+
+    mine = [r for r in results if r.claim.paper == paper]
+    lines = [
+        f"# {PAPER_TITLES.get(paper, paper)}: published against measured on {model}",
+        "",
+        "Generated by `make results` (`python -m kvbench.report --paper " + paper + "`); do not edit.",
+        "",
+        "## Claims",
+        "",
+    ]
+    rows = [
+        {
+            "claim": r.claim.id,
+            "where": r.claim.where,
+            "published": str(r.claim.published),
+            "measured": r.measured if r.verdict not in ("not run", "not testable here") else "-",
+            "verdict": r.verdict,
+        }
+        for r in mine
+    ]
+    lines.append(
+        tables.to_markdown(
+            pd.DataFrame(rows, columns=["claim", "where", "published", "measured", "verdict"])
+        ).rstrip()
+    )
+    for experiment in sorted({r.claim.experiment for r in mine if r.claim.experiment}):
+        frame = frames.get(experiment)
+        sub = frame[frame["model"] == model] if frame is not None else None
+        lines += ["", f"## {experiment}", ""]
+        if sub is None or sub.empty:
+            lines.append(f"No runs on {model} yet: `python -m kvbench -m +experiment={experiment}`.")
+            continue
+        for key, unit_frame in groups(sub):
+            try:
+                unit = analyze((key, unit_frame), seed=seed, n_resamples=n_resamples)
+            except ValueError as err:
+                lines.append(f"- {key[0]}: not analyzable ({err})")
+                continue
+            cols = ["method", "n", "mean", "ci_low", "ci_high", "effective_bits"]
+            lines += [
+                f"{key[0]}, metric `{unit.plan['metric']}`:",
+                "",
+                tables.to_markdown(unit.means[cols]).rstrip(),
+                "",
+            ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_papers(
+    by_model: dict[str, list],
+    frames: dict[str, pd.DataFrame],
+    out: str | Path,
+    seed: int = 0,
+    n_resamples: int = 10_000,
+    papers: list[str] | None = None,
+) -> list[Path]:
+    """``out/<paper>_<model>.md`` for every paper (or ``papers``) and model."""
+    from kvbench.analysis.claims import PAPERS
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for model, results in by_model.items():
+        for paper in papers or PAPERS:
+            path = out / f"{paper}_{_slug(model)}.md"
+            path.write_text(paper_markdown(paper, results, frames, model, seed, n_resamples))
+            paths.append(path)
+    return paths
+
+
+def regenerate(
+    frames: dict[str, pd.DataFrame],
+    results: str | Path,
+    claims_file: str | Path = DEFAULT_CLAIMS,
+    models: list[str] | None = None,
+    seed: int = 0,
+    n_resamples: int = 10_000,
+    say=print,
+    conf_dir: Path | None = CONF,
+) -> list[Path]:
+    """Every output under ``results`` from the frames of each experiment: ``<experiment>/report.md``
+    with its unit folders (tables, figures), and ``claims/<model>.md`` / ``.csv``. The same frames
+    give the same bytes, whether they come from the archives or straight from the run folders."""
+    results = Path(results)
+    written = []
+    for name, frame in sorted(frames.items()):
+        try:
+            report = write_report(
+                frame, results / name, f"`{name}`", seed, n_resamples, say, write_samples=False
+            )
+        except ReportError as err:
+            say(f"note: {err}")
+            continue
+        written.append(report["out"] / "report.md")
+    by_model = claims_results(frames, claims_file, models, seed, n_resamples, conf_dir)
+    written += write_claims(by_model, results / "claims")
+    written += write_papers(by_model, frames, results / "papers", seed, n_resamples)
+    return written
+
+
+def _frames(runs: str | None, results: Path) -> dict[str, pd.DataFrame]:
+    """The experiments' frames: from the run folders under ``runs`` when given, else from the
+    archives under ``results``."""
+    from kvbench.analysis.archive import frames_from_runs, load_archives
+
+    if runs is not None:
+        if not Path(runs).is_dir():
+            raise ReportError(f"--runs={runs}: no such directory")
+        return frames_from_runs(runs)
+    return load_archives(results)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,33 +436,85 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output folder (default: DIR/report)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and permutation resamples")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples per interval")
-    parser.add_argument("--claims", action="store_true", help="print the paper-claims table and exit")
+    parser.add_argument(
+        "--claims",
+        action="store_true",
+        help="compute every claim's verdict, print the table and write RESULTS/claims/<model>.md",
+    )
+    parser.add_argument(
+        "--model", action="append", help="with --claims / --paper: only this model (repeatable)"
+    )
+    parser.add_argument(
+        "--paper", action="append", help="write RESULTS/papers/<paper>_<model>.md: published beside measured"
+    )
     parser.add_argument(
         "--claims-file", default=str(DEFAULT_CLAIMS), help="claims YAML (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--archive",
+        metavar="RUNS",
+        help="write RESULTS/<experiment>/samples.csv.gz, each experiment's per-sample archive, from RUNS",
+    )
+    parser.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="rewrite every table, figure and claim verdict under RESULTS from the archives (make results)",
+    )
+    parser.add_argument(
+        "--runs",
+        help="with --claims or --regenerate: read the run folders under RUNS instead of the archives",
+    )
+    parser.add_argument(
+        "--results", default=str(DEFAULT_RESULTS), help="results folder (default: %(default)s)"
     )
     parser.add_argument(
         "--wandb", action="store_true", help="also log the figures and tables to Weights & Biases"
     )
     args = parser.parse_args(argv)
+    results = Path(args.results)
     try:
-        if args.claims:
-            from kvbench.analysis.claims import VERDICTS, claims_table, load_claims
-
-            claims = load_claims(args.claims_file)
-            table = claims_table(claims, Path(__file__).resolve().parent.parent / "conf")
-            print(tables.to_markdown(table), end="")
-            counts = table["verdict"].value_counts()
-            print("\n" + "; ".join(f"{v}: {counts.get(v, 0)}" for v in VERDICTS))
-            missing = sorted(
-                {e for e, ok in zip(table["experiment"], table["node"], strict=True) if ok is False}
-            )
-            if missing:
-                print(f"experiment nodes not (yet) in conf/experiment: {', '.join(missing)}")
-            return 0
-        if args.dir is None:
-            raise ReportError("DIR=(missing): give a folder of runs, or --claims")
         if args.resamples < 1:
             raise ReportError(f"--resamples={args.resamples}: must be a positive integer")
+        if args.archive is not None:
+            from kvbench.analysis.archive import write_archives
+
+            if not Path(args.archive).is_dir():
+                raise ReportError(f"--archive={args.archive}: no such directory")
+            written = write_archives(args.archive, results)
+            if not written:
+                raise ReportError(f"--archive={args.archive}: no runs found")
+            for path in written.values():
+                print(f"archive: {path} ({path.stat().st_size} bytes)")
+            return 0
+        if args.regenerate:
+            frames = _frames(args.runs, results)
+            paths = regenerate(frames, results, args.claims_file, args.model, args.seed, args.resamples)
+            for path in paths:
+                print(f"wrote: {path}")
+            return 0
+        if args.paper:
+            frames = _frames(args.runs, results)
+            by_model = claims_results(frames, args.claims_file, args.model, args.seed, args.resamples)
+            for path in write_papers(
+                by_model, frames, results / "papers", args.seed, args.resamples, args.paper
+            ):
+                print(path.read_text())
+                print(f"wrote: {path}")
+            return 0
+        if args.claims:
+            from kvbench.analysis.claims import claims_table, verdict_counts
+
+            frames = _frames(args.runs, results)
+            by_model = claims_results(frames, args.claims_file, args.model, args.seed, args.resamples)
+            for model, claim_results in by_model.items():
+                print(f"## {model}\n")
+                print(tables.to_markdown(claims_table(claim_results)), end="")
+                print("\n" + verdict_counts(claim_results) + "\n")
+            for path in write_claims(by_model, results / "claims"):
+                print(f"wrote: {path}")
+            return 0
+        if args.dir is None:
+            raise ReportError("DIR=(missing): give a folder of runs, or --claims / --regenerate / --archive")
         result = build_report(args.dir, args.out, args.seed, args.resamples)
     except ReportError as err:
         print(f"kvbench.report: error: {err}", file=sys.stderr)

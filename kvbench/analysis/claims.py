@@ -1,42 +1,116 @@
-"""The paper-claims register (``results/claims.yaml``): each quantitative claim of the seed papers
-that kvbench can test, what this harness measured for it, and a verdict.
+"""Executable paper claims (``results/claims.yaml``): each claim declares what to compare and a rule;
+the verdict and the measured value are computed from the stored runs, never typed.
 
-Schema (one mapping per claim under the top-level ``claims:`` list):
+Schema: one mapping per claim under the top-level ``claims:`` list.
 
-- ``id``: unique, lower-case words joined by ``-``;
-- ``paper``: one of ``PAPERS`` (kivi, intactkv, kvquant, ott, readkv, semkv, specache);
-- ``where``: the table, figure or section of the paper;
-- ``statement``: the claim in one or two sentences;
+- ``id``: unique, lower-case words joined by ``-``; ``paper``: one of ``PAPERS``;
+- ``where``, ``statement``: the table/figure/section of the paper and the claim in a sentence or two;
 - ``published``: the paper's value (number or text);
-- ``experiment``: the ``conf/experiment`` node that tests it (may be null only when the verdict is
-  ``not testable here``);
-- ``metric``: what the measured value is (optional text);
-- ``measured``: the value on the default model, or ``pending``;
-- ``source``: the committed aggregated result under ``results/`` that holds ``measured``
-  (null while pending);
-- ``verdict``: one of ``VERDICTS``;
-- ``note``: optional text; required for ``not testable here`` (why) and ``not reproduced``.
+- ``experiment``: the ``conf/experiment`` node whose runs test it (null only with ``untestable``);
+- ``metric``: the per-sample column compared (default: the experiment plan's metric); a dotted path
+  reaches into dict columns (``hit_rates.exact_topk.0.005``);
+- ``arms``: ``{name: selector}``; a selector picks one configuration of the experiment's runs by
+  what was run, never by folder name: ``label`` (the method label, e.g. ``kivi-2b``) and/or
+  ``method`` (the method's registered name), ``bits``, ``config`` (a subset of the run's method
+  node, nested mappings allowed, e.g. ``{key_axis: channel}``), and optionally ``metric`` (this
+  arm's column, for comparisons of two columns of one run);
+- ``rule``: one rule or a list of rules (the claim's family), written as calls on arm names:
 
-Consistency: ``pending`` verdict <=> ``measured: pending`` and no source; ``reproduced in
-direction`` / ``not reproduced`` need a measured value and a source file that exists.
+  ``better(a, b)``            a beats b: one-sided paired sign-flip test, Holm across the family;
+  ``larger_gain(a, b, c, d)`` the gain of a over b exceeds that of c over d (paired contrast);
+  ``not_worse(a, b, margin=m)`` a is no worse than b by more than m: the non-inferiority half of the
+                              paired TOST (t-test of ``mean(d) > -m``);
+  ``equivalent(a, b, margin=m)`` both halves of TOST: ``|mean(d)| < m``;
+  ``cliff_within(f, ref, "(lo, hi]", margin=m)`` the cliff of family f (one arm matching a bit
+                              grid) against ref lies in the interval: every grid point >= hi is
+                              equivalent to ref (TOST, margin m or the plan's; without a margin:
+                              not significantly worse) and the point at lo is worse (Holm over
+                              the grid, ``kvbench.stats.compare``); refuted by a worse point >= hi
+                              or a point <= lo that holds; ``not run`` unless lo and hi are both
+                              grid points;
+  ``at_least(a, v)`` / ``at_most(a, v)`` the mean of a's metric is >= v / <= v (one-sample t-test;
+                              hit rates, effective bits);
+  ``ratio(a, b) >= x`` / ``<= x`` mean(a) / mean(b) against x, tested as the paired mean of
+                              ``a - x b`` (Fieller's linearization), estimate with a paired
+                              bootstrap interval;
+
+  every rule takes ``metric=`` to override the claim's metric;
+- ``family``: optional name shared by claims whose ``better`` tests form one Holm family (default:
+  each claim is its own family);
+- ``pending``: why the claim cannot run yet (its node or arms do not exist): the verdict stays
+  ``not run`` with this reason until runs that match exist;
+- ``untestable``: why no run here can test it (a GPU throughput claim): verdict ``not testable here``;
+- ``note``: optional text.
+
+``measured``, ``verdict`` and ``source`` are rejected: they are outputs.
+
+Verdicts (``VERDICTS``), per rule: ``reproduced`` when the rule's test rejects in the claim's
+direction at ``alpha``; ``not reproduced`` when the test in the opposite direction rejects (a
+significant effect the other way, a mean significantly outside the bound); ``inconclusive`` when
+neither does, with the pairs needed to settle it at the observed mean and spread (power 0.8,
+``kvbench.stats.power``; for a family, at ``alpha / m``, Holm's first step); ``not run`` when the
+experiment has no runs for the model, an arm matches no configuration, or fewer than 2 pairs are
+shared. A claim with several rules is ``not reproduced`` if any rule is, else ``not run`` if any
+is, else ``inconclusive`` if any is, else ``reproduced``.
+
+Differences are oriented so that positive means the first arm is better (lower is better for
+perplexity and errors, as in ``kvbench.analysis.frame.higher_is_better``); the measured text shows
+the raw ``mean(a - b)`` in metric units with its paired-bootstrap ``1 - alpha`` interval.
 """
 
 from __future__ import annotations
 
+import ast
+import math
 import re
-from dataclasses import dataclass
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import yaml
+from scipy import stats as sps
+
+from kvbench.analysis.frame import higher_is_better, plan_of
+from kvbench.stats import (
+    PAIR_KEYS,
+    bootstrap_ci,
+    compare,
+    holm,
+    locate_cliff,
+    n_for_difference,
+    n_from_pilot,
+    sign_flip_test,
+    tost_equivalence,
+)
 
 PAPERS = ("kivi", "intactkv", "kvquant", "ott", "readkv", "semkv", "specache")
-VERDICTS = ("reproduced in direction", "not reproduced", "not testable here", "pending")
-REQUIRED = ("id", "paper", "where", "statement", "published", "experiment", "measured", "source", "verdict")
-OPTIONAL = ("metric", "note", "model")
+VERDICTS = ("reproduced", "not reproduced", "inconclusive", "not run", "not testable here")
+REQUIRED = ("id", "paper", "where", "statement", "published", "experiment")
+OPTIONAL = ("metric", "arms", "rule", "family", "pending", "untestable", "note")
+OUTPUT_FIELDS = ("measured", "verdict", "source")
+SELECTOR_KEYS = ("label", "method", "bits", "config", "metric")
 DEFAULT_MODEL = "smollm2-135m"
+ALPHA = 0.05
+POWER = 0.8
 _ID = re.compile(r"^[a-z0-9]+(-[a-z0-9.]+)*$")
+_INTERVAL = re.compile(r"^\(\s*([-\d.]+)\s*,\s*([-\d.]+)\s*\]$")
+
+# kind: (arm arguments, other positional arguments, keyword arguments)
+RULES: dict[str, tuple[int, int, tuple[str, ...]]] = {
+    "better": (2, 0, ("metric",)),
+    "larger_gain": (4, 0, ("metric",)),
+    "not_worse": (2, 0, ("margin", "metric")),
+    "equivalent": (2, 0, ("margin", "metric")),
+    "cliff_within": (2, 1, ("margin", "metric")),
+    "at_least": (1, 1, ("metric",)),
+    "at_most": (1, 1, ("metric",)),
+    "ratio": (2, 0, ("metric",)),
+}
+_NEEDS_MARGIN = ("not_worse", "equivalent")
 
 
 class ClaimsError(ValueError):
@@ -48,6 +122,20 @@ class ClaimsError(ValueError):
 
 
 @dataclass(frozen=True)
+class Rule:
+    """One parsed rule: ``kind``, its arm names, other positional values, keywords and, for
+    ``ratio``, the comparison (``>=`` or ``<=``) and the bound."""
+
+    text: str
+    kind: str
+    arms: tuple[str, ...]
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    op: str | None = None
+    bound: float | None = None
+
+
+@dataclass(frozen=True)
 class Claim:
     id: str
     paper: str
@@ -55,12 +143,77 @@ class Claim:
     statement: str
     published: Any
     experiment: str | None
-    measured: Any
-    source: str | None
-    verdict: str
     metric: str | None = None
+    arms: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    rules: tuple[Rule, ...] = ()
+    family: str | None = None
+    pending: str | None = None
+    untestable: str | None = None
     note: str | None = None
-    model: str = DEFAULT_MODEL
+
+
+# ------------------------------------------------------------------------------------ parsing
+
+
+def _constant(cid: str, node: ast.AST, text: str) -> Any:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str)):
+        return node.value
+    if (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+    ):
+        return -node.operand.value
+    raise ClaimsError(cid, "rule", f"{text!r}: expected a number or a quoted string, got {ast.unparse(node)}")
+
+
+def parse_rule(cid: str, text: str, arms: Mapping[str, Any]) -> Rule:
+    """One rule from its text (see the module docstring), checked against the claim's arms."""
+    if not isinstance(text, str) or not text.strip():
+        raise ClaimsError(cid, "rule", f"must be text such as 'better(a, b)', got {text!r}")
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError as err:
+        raise ClaimsError(cid, "rule", f"{text!r}: not a rule ({err.msg})") from None
+    op = bound = None
+    if isinstance(node, ast.Compare):
+        if len(node.ops) != 1 or not isinstance(node.ops[0], (ast.GtE, ast.LtE)):
+            raise ClaimsError(cid, "rule", f"{text!r}: only 'ratio(a, b) >= x' or '<= x' compare")
+        op = ">=" if isinstance(node.ops[0], ast.GtE) else "<="
+        bound = _constant(cid, node.comparators[0], text)
+        node = node.left
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+        raise ClaimsError(cid, "rule", f"{text!r}: expected a call such as better(a, b)")
+    kind = node.func.id
+    if kind not in RULES:
+        raise ClaimsError(cid, "rule", f"{text!r}: unknown rule {kind!r}; rules: {', '.join(RULES)}")
+    if (kind == "ratio") != (op is not None):
+        raise ClaimsError(cid, "rule", f"{text!r}: ratio needs '>= x' or '<= x', and only ratio compares")
+    n_arms, n_values, keywords = RULES[kind]
+    if len(node.args) != n_arms + n_values:
+        raise ClaimsError(cid, "rule", f"{text!r}: {kind} takes {n_arms} arms and {n_values} value(s)")
+    names = []
+    for arg in node.args[:n_arms]:
+        if not isinstance(arg, ast.Name):
+            raise ClaimsError(cid, "rule", f"{text!r}: {ast.unparse(arg)} is not an arm name")
+        if arg.id not in arms:
+            raise ClaimsError(cid, "rule", f"{text!r}: arm {arg.id!r} is not declared under arms")
+        names.append(arg.id)
+    values = tuple(_constant(cid, a, text) for a in node.args[n_arms:])
+    kwargs = {}
+    for kw in node.keywords:
+        if kw.arg not in keywords:
+            raise ClaimsError(cid, "rule", f"{text!r}: {kind} takes keywords {', '.join(keywords)}")
+        kwargs[kw.arg] = _constant(cid, kw.value, text)
+    if kind in _NEEDS_MARGIN and "margin" not in kwargs:
+        raise ClaimsError(cid, "rule", f"{text!r}: {kind} needs margin=...")
+    if "margin" in kwargs and not (isinstance(kwargs["margin"], (int, float)) and kwargs["margin"] > 0):
+        raise ClaimsError(cid, "rule", f"{text!r}: margin must be a positive number")
+    if kind == "cliff_within" and (not isinstance(values[0], str) or not _INTERVAL.match(values[0])):
+        raise ClaimsError(cid, "rule", f'{text!r}: the interval must be text like "(2.0, 2.322]"')
+    if kind in ("at_least", "at_most") and not isinstance(values[0], (int, float)):
+        raise ClaimsError(cid, "rule", f"{text!r}: the bound must be a number")
+    return Rule(text.strip(), kind, tuple(names), values, kwargs, op, None if bound is None else float(bound))
 
 
 def _text(cid: str, entry: dict, key: str, allow_none: bool = False) -> None:
@@ -71,13 +224,39 @@ def _text(cid: str, entry: dict, key: str, allow_none: bool = False) -> None:
         raise ClaimsError(cid, key, f"must be non-empty text, got {value!r}")
 
 
-def validate(entry: Any, index: int, root: Path) -> Claim:
-    """One claim mapping checked against the schema (see the module docstring)."""
+def _selector(cid: str, name: str, sel: Any) -> dict[str, Any]:
+    where = f"arms.{name}"
+    if not name.isidentifier():
+        raise ClaimsError(cid, where, "an arm name must be an identifier (letters, digits, _)")
+    if not isinstance(sel, dict):
+        raise ClaimsError(cid, where, f"must be a mapping of {', '.join(SELECTOR_KEYS)}")
+    unknown = sorted(set(sel) - set(SELECTOR_KEYS))
+    if unknown:
+        raise ClaimsError(cid, where, f"unknown key {unknown[0]!r}; allowed: {', '.join(SELECTOR_KEYS)}")
+    if "label" not in sel and "method" not in sel:
+        raise ClaimsError(
+            cid, where, "needs 'label' or 'method' (arms are chosen by what ran, not by folder)"
+        )
+    if "config" in sel and not isinstance(sel["config"], dict):
+        raise ClaimsError(cid, where, "config must be a mapping (a subset of the method node)")
+    if "bits" in sel and not isinstance(sel["bits"], (int, float)):
+        raise ClaimsError(cid, where, f"bits must be a number, got {sel['bits']!r}")
+    return dict(sel)
+
+
+def validate(entry: Any, index: int, conf_dir: Path | None = None) -> Claim:
+    """One claim mapping checked against the schema (see the module docstring). With ``conf_dir``
+    (the ``conf`` folder), the experiment node must exist unless ``pending`` says why not."""
     if not isinstance(entry, dict):
         raise ClaimsError(f"#{index}", "(entry)", f"must be a mapping, got {type(entry).__name__}")
     cid = entry.get("id")
     if not isinstance(cid, str) or not _ID.match(cid):
         raise ClaimsError(f"#{index}", "id", f"must match {_ID.pattern}, got {cid!r}")
+    outputs = [k for k in OUTPUT_FIELDS if k in entry]
+    if outputs:
+        raise ClaimsError(
+            cid, outputs[0], "is computed from the runs (python -m kvbench.report --claims), not declared"
+        )
     missing = [k for k in REQUIRED if k not in entry]
     if missing:
         raise ClaimsError(cid, missing[0], "missing")
@@ -86,53 +265,62 @@ def validate(entry: Any, index: int, root: Path) -> Claim:
         raise ClaimsError(cid, unknown[0], f"unknown field; allowed: {', '.join(REQUIRED + OPTIONAL)}")
     if entry["paper"] not in PAPERS:
         raise ClaimsError(cid, "paper", f"{entry['paper']!r} is not one of {', '.join(PAPERS)}")
-    verdict = entry["verdict"]
-    if verdict not in VERDICTS:
-        raise ClaimsError(cid, "verdict", f"{verdict!r} is not one of: {'; '.join(VERDICTS)}")
     for key in ("where", "statement"):
         _text(cid, entry, key)
-    _text(cid, entry, "experiment", allow_none=verdict == "not testable here")
-    for key in ("metric", "note"):
+    for key in ("metric", "note", "pending", "untestable", "family"):
         _text(cid, entry, key, allow_none=True)
     if entry["published"] is None or entry["published"] == "":
         raise ClaimsError(cid, "published", "the paper's value is required")
-    measured, source = entry["measured"], entry["source"]
-    if verdict == "pending":
-        if measured != "pending":
+    untestable = entry.get("untestable")
+    _text(cid, entry, "experiment", allow_none=untestable is not None)
+    if untestable is not None:
+        if entry.get("rule") is not None or entry.get("arms") is not None:
+            raise ClaimsError(cid, "rule", "an untestable claim declares no rule or arms")
+        return Claim(**{k: entry.get(k) for k in REQUIRED}, untestable=untestable, note=entry.get("note"))
+    arms = entry.get("arms")
+    if not isinstance(arms, dict) or not arms:
+        raise ClaimsError(cid, "arms", "a testable claim needs arms: {name: selector}")
+    arms = {str(name): _selector(cid, str(name), sel) for name, sel in arms.items()}
+    rules = entry.get("rule")
+    if rules is None:
+        raise ClaimsError(cid, "rule", "a testable claim needs a rule (or 'untestable: why')")
+    texts = rules if isinstance(rules, list) else [rules]
+    if not texts:
+        raise ClaimsError(cid, "rule", "the list of rules is empty")
+    parsed = tuple(parse_rule(cid, t, arms) for t in texts)
+    experiment = entry["experiment"]
+    if conf_dir is not None and entry.get("pending") is None:
+        if not (Path(conf_dir) / "experiment" / f"{experiment}.yaml").is_file():
             raise ClaimsError(
-                cid, "measured", f"must be 'pending' while the verdict is pending, got {measured!r}"
+                cid,
+                "experiment",
+                f"no node conf/experiment/{experiment}.yaml; declare 'pending: why' until it exists",
             )
-        if source is not None:
-            raise ClaimsError(cid, "source", "must be null while the verdict is pending")
-    elif verdict in ("reproduced in direction", "not reproduced"):
-        if measured in (None, "", "pending"):
-            raise ClaimsError(cid, "measured", f"a value is required for verdict {verdict!r}")
-        if not isinstance(source, str) or not source.startswith("results/"):
-            raise ClaimsError(cid, "source", f"must be a committed file under results/, got {source!r}")
-    if verdict in ("not testable here", "not reproduced"):
-        _text(cid, entry, "note")
-    if source is not None and (not isinstance(source, str) or not (root / source).is_file()):
-        raise ClaimsError(cid, "source", f"{source} does not exist")
     return Claim(
-        **{k: entry.get(k) for k in REQUIRED + OPTIONAL if k != "model"},
-        model=entry.get("model") or DEFAULT_MODEL,
+        **{k: entry.get(k) for k in REQUIRED},
+        metric=entry.get("metric"),
+        arms=arms,
+        rules=parsed,
+        family=entry.get("family"),
+        pending=entry.get("pending"),
+        note=entry.get("note"),
     )
 
 
 def load_claims(
-    path: str | Path, root: str | Path | None = None, require_all_papers: bool = True
+    path: str | Path, conf_dir: str | Path | None = None, require_all_papers: bool = True
 ) -> list[Claim]:
-    """Read and validate a claims file. ``root`` is the repository root that ``source`` paths are
-    relative to (default: the folder above the file's ``results/`` folder). With
-    ``require_all_papers``, every paper in ``PAPERS`` needs at least one claim."""
+    """Read and validate a claims file; with ``require_all_papers`` every paper in ``PAPERS`` needs
+    a claim. ``conf_dir``: check that experiment nodes exist (see ``validate``)."""
     path = Path(path)
     if not path.is_file():
         raise ClaimsError("(file)", "path", f"{path} does not exist")
-    root = Path(root) if root is not None else path.resolve().parent.parent
     doc = yaml.safe_load(path.read_text())
     if not isinstance(doc, dict) or not isinstance(doc.get("claims"), list):
         raise ClaimsError("(file)", "claims", "the file must hold a top-level 'claims:' list")
-    claims = [validate(entry, i, root) for i, entry in enumerate(doc["claims"])]
+    claims = [
+        validate(entry, i, Path(conf_dir) if conf_dir else None) for i, entry in enumerate(doc["claims"])
+    ]
     seen: set[str] = set()
     for claim in claims:
         if claim.id in seen:
@@ -146,14 +334,475 @@ def load_claims(
     return claims
 
 
-def claims_table(claims: list[Claim], conf_dir: str | Path | None = None) -> pd.DataFrame:
-    """The claims as a table: id, paper, where, published, measured, verdict, experiment, source;
-    with ``conf_dir`` (the ``conf`` folder) also ``node``: whether ``experiment/NAME.yaml`` exists."""
-    columns = ["id", "paper", "where", "published", "measured", "verdict", "experiment", "source"]
-    table = pd.DataFrame([{c: getattr(claim, c) for c in columns} for claim in claims], columns=columns)
-    if conf_dir is not None:
-        folder = Path(conf_dir) / "experiment"
-        table["node"] = [
-            None if c.experiment is None else (folder / f"{c.experiment}.yaml").is_file() for c in claims
-        ]
-    return table
+# ---------------------------------------------------------------------------------- selection
+
+
+def _subset(wanted: Any, node: Any) -> bool:
+    """Whether ``wanted`` (a mapping or a value) is contained in the config ``node``."""
+    if isinstance(wanted, dict):
+        return isinstance(node, dict) and all(k in node and _subset(v, node[k]) for k, v in wanted.items())
+    if isinstance(wanted, (int, float)) and isinstance(node, (int, float)) and not isinstance(node, bool):
+        return math.isclose(float(wanted), float(node), rel_tol=1e-9, abs_tol=1e-12)
+    return wanted == node
+
+
+def select(frame: pd.DataFrame, selector: Mapping[str, Any]) -> pd.DataFrame:
+    """The rows of ``frame`` whose run matches an arm selector (label, method name, bits, and a
+    subset of the method node)."""
+    keep = pd.Series(True, index=frame.index)
+    if "label" in selector:
+        keep &= frame["method"] == selector["label"]
+    if "method" in selector:
+        keep &= frame["method_name"] == selector["method"]
+    if "bits" in selector:
+        keep &= pd.Series(np.isclose(frame["bits"].astype(float), float(selector["bits"])), index=frame.index)
+    if "config" in selector:
+        configs = frame["method_config"] if "method_config" in frame else [{}] * len(frame)
+        keep &= pd.Series([_subset(selector["config"], c) for c in configs], index=frame.index)
+    return frame[keep]
+
+
+def _lookup(value: Any, path: str) -> Any:
+    """Walk a dict by a dotted path whose keys may themselves hold dots (``"0.005"``)."""
+    if path == "":
+        return value
+    if not isinstance(value, dict):
+        return math.nan
+    if path in value:
+        return value[path]
+    head, _, rest = path.partition(".")
+    return _lookup(value[head], rest) if head in value and rest else math.nan
+
+
+def metric_values(rows: pd.DataFrame, metric: str) -> pd.Series:
+    """The per-row values of ``metric``: a column, or a dotted path into a dict column."""
+    if metric in rows.columns:
+        return pd.to_numeric(rows[metric], errors="coerce").astype(float)
+    head, _, rest = metric.partition(".")
+    if rest and head in rows.columns:
+        return pd.Series([_lookup(v, rest) for v in rows[head]], index=rows.index, dtype=float)
+    raise KeyError(metric)
+
+
+class NotRun(Exception):
+    """The data a rule needs is not there: the rule's verdict is ``not run`` with this reason."""
+
+
+def _pairs(rows: pd.DataFrame, metric: str, arm: str) -> dict[tuple, float]:
+    labels = sorted(rows["method"].unique())
+    if len(labels) > 1:
+        raise NotRun(f"arm {arm!r} matches {len(labels)} configurations ({', '.join(labels)}); narrow it")
+    try:
+        values = metric_values(rows, metric)
+    except KeyError:
+        raise NotRun(f"arm {arm!r}: no per-sample {metric!r}") from None
+    keys = zip(rows["sample_id"].astype(str), rows["seed"].astype(int), strict=True)
+    return {k: v for k, v in zip(keys, values, strict=True) if math.isfinite(v)}
+
+
+# --------------------------------------------------------------------------------- evaluation
+
+
+@dataclass
+class Outcome:
+    """The result of one rule: verdict, what was measured (estimate, interval, pairs) and, when
+    inconclusive, the pairs needed."""
+
+    rule: str
+    verdict: str
+    estimate: Any = None
+    ci: tuple[float, float] | None = None
+    n: int | None = None
+    n_needed: float | None = None
+    measured: str = ""
+    reason: str = ""
+    # one-sided p-values of better/larger_gain, Holm-adjusted across the family afterwards
+    p_greater: float | None = None
+    p_less: float | None = None
+    diffs: np.ndarray | None = None
+
+
+def _fmt(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _ci_text(ci: tuple[float, float] | None) -> str:
+    return "" if ci is None else f" [{_fmt(ci[0])}, {_fmt(ci[1])}]"
+
+
+def _t_sides(d: np.ndarray, shift: float = 0.0) -> tuple[float, float]:
+    """One-sided paired t p-values ``(P for mean > shift, P for mean < shift)``; with no spread
+    the sign of ``mean - shift`` decides (p 0 or 1; a mean exactly at the bound supports '>=')."""
+    mean = float(d.mean()) - shift
+    se = float(d.std(ddof=1)) / math.sqrt(d.size) if d.size > 1 else math.nan
+    if d.size < 2 or math.isnan(se):
+        return math.nan, math.nan
+    if se == 0:
+        return (0.0 if mean >= 0 else 1.0), (0.0 if mean < 0 else 1.0)
+    t = mean / se
+    return float(sps.t.sf(t, d.size - 1)), float(sps.t.cdf(t, d.size - 1))
+
+
+class _Context:
+    """The runs of one claim's experiment for one model, with the plan's defaults."""
+
+    def __init__(self, claim: Claim, frame: pd.DataFrame, alpha: float, seed: int, n_resamples: int):
+        self.claim, self.frame, self.alpha = claim, frame, alpha
+        self.plan = plan_of(frame)
+        self.seed, self.n_resamples = seed, n_resamples
+
+    def rng(self, rule: Rule) -> np.random.Generator:
+        return np.random.default_rng([self.seed, zlib.crc32(f"{self.claim.id}|{rule.text}".encode())])
+
+    def metric(self, rule: Rule, arm: str | None = None) -> str:
+        sel = self.claim.arms.get(arm, {}) if arm else {}
+        metric = sel.get("metric") or rule.kwargs.get("metric") or self.claim.metric or self.plan["metric"]
+        if metric is None:
+            raise NotRun("no metric declared and the runs name no primary metric")
+        return metric
+
+    def higher_is_better(self, metric: str) -> bool:
+        declared = self.plan.get("higher_is_better")
+        return higher_is_better(metric) if declared is None else bool(declared)
+
+    def rows(self, arm: str) -> pd.DataFrame:
+        rows = select(self.frame, self.claim.arms[arm])
+        if rows.empty:
+            raise NotRun(f"arm {arm!r} matches no run of {self.claim.experiment}")
+        return rows
+
+    def paired(self, rule: Rule, arms: tuple[str, ...]) -> tuple[list[np.ndarray], str]:
+        """Values of each arm on the pairs all of them share, and the (first arm's) metric."""
+        per_arm = [_pairs(self.rows(a), self.metric(rule, a), a) for a in arms]
+        shared = sorted(set.intersection(*(set(p) for p in per_arm)))
+        if len(shared) < 2:
+            raise NotRun(f"{len(shared)} (sample_id, seed) pairs shared by {', '.join(arms)}; need 2")
+        return [np.array([p[k] for k in shared]) for p in per_arm], self.metric(rule, arms[0])
+
+
+def _difference_outcome(ctx: _Context, rule: Rule) -> Outcome:
+    """better / larger_gain: oriented paired differences and their one-sided sign-flip p-values;
+    the verdict waits for Holm across the family (``_decide_family``)."""
+    values, metric = ctx.paired(rule, rule.arms)
+    raw = (
+        values[0] - values[1] if rule.kind == "better" else (values[0] - values[1]) - (values[2] - values[3])
+    )
+    d = raw if ctx.higher_is_better(metric) else -raw
+    rng = ctx.rng(rule)
+    ci = bootstrap_ci(raw, level=1 - ctx.alpha, n_resamples=ctx.n_resamples, rng=rng)
+    what = f"{rule.arms[0]} - {rule.arms[1]}" if rule.kind == "better" else "gain difference"
+    return Outcome(
+        rule.text,
+        "pending",
+        float(raw.mean()),
+        ci,
+        int(d.size),
+        measured=f"{what} = {_fmt(float(raw.mean()))}{_ci_text(ci)} {metric}, n={d.size}",
+        p_greater=sign_flip_test(d, alternative="greater", rng=rng),
+        p_less=sign_flip_test(d, alternative="less", rng=rng),
+        diffs=d,
+    )
+
+
+def _decide_family(outcomes: list[Outcome], alpha: float) -> None:
+    """Holm across a family's one-sided tests, then each verdict; the pairs needed are planned at
+    ``alpha / m``, the level of Holm's first step."""
+    if not outcomes:
+        return
+    greater, _ = holm([o.p_greater for o in outcomes], alpha)
+    less, _ = holm([o.p_less for o in outcomes], alpha)
+    level = alpha / len(outcomes)
+    for o, pg, pl in zip(outcomes, greater, less, strict=True):
+        if pg < alpha:
+            o.verdict = "reproduced"
+        elif pl < alpha:
+            o.verdict = "not reproduced"
+        else:
+            o.verdict = "inconclusive"
+            mean = float(o.diffs.mean())
+            o.n_needed = n_from_pilot(o.diffs, "greater" if mean >= 0 else "less", alpha=level, power=POWER)
+        o.measured += f", Holm p={_fmt(float(pg))} (one-sided, {len(outcomes)} in family)"
+
+
+def _margin_outcome(ctx: _Context, rule: Rule) -> Outcome:
+    """not_worse / equivalent through the paired TOST of ``kvbench.stats.tost_equivalence``."""
+    (a, b), metric = ctx.paired(rule, rule.arms)
+    raw = a - b
+    d = raw if ctx.higher_is_better(metric) else -raw
+    margin, alpha = float(rule.kwargs["margin"]), ctx.alpha
+    ci = bootstrap_ci(raw, level=1 - alpha, n_resamples=ctx.n_resamples, rng=ctx.rng(rule))
+    tost = tost_equivalence(d, margin, alpha)
+    mean = float(d.mean())
+    out = Outcome(rule.text, "inconclusive", float(raw.mean()), ci, int(d.size))
+    if rule.kind == "not_worse":
+        p_inferior = _t_sides(d, -margin)[1]
+        out.measured = (
+            f"{rule.arms[0]} - {rule.arms[1]} = {_fmt(out.estimate)}{_ci_text(ci)} {metric}, n={d.size}"
+        )
+        out.measured += f", non-inferiority p={_fmt(tost['p_lower'])} at margin {_fmt(margin)}"
+        if tost["p_lower"] < alpha:
+            out.verdict = "reproduced"
+        elif p_inferior < alpha:
+            out.verdict = "not reproduced"
+        else:
+            kind = "noninferiority" if mean > -margin else "inferiority"
+            out.n_needed = n_from_pilot(d, kind, margin=margin, alpha=alpha, power=POWER)
+        return out
+    above, below = _t_sides(d, margin)[0], _t_sides(d, -margin)[1]
+    out.measured = (
+        f"{rule.arms[0]} - {rule.arms[1]} = {_fmt(out.estimate)}{_ci_text(ci)} {metric}, n={d.size}"
+    )
+    out.measured += f", TOST p={_fmt(tost['p'])} at margin {_fmt(margin)}"
+    if tost["equivalent"]:
+        out.verdict = "reproduced"
+    elif min(above, below) * 2 < alpha:  # outside the margin on either side (Bonferroni over two)
+        out.verdict = "not reproduced"
+    elif abs(mean) < margin:
+        out.n_needed = n_from_pilot(d, "equivalence", margin=margin, alpha=alpha, power=POWER)
+    else:
+        out.n_needed = n_for_difference(abs(mean) - margin, float(d.std(ddof=1)), alpha / 2, POWER)
+    return out
+
+
+def _bound_outcome(ctx: _Context, rule: Rule) -> Outcome:
+    """at_least / at_most on one arm, ratio on two: a one-sample t-test of ``x - bound`` (for a
+    ratio, of ``a - bound * b`` per pair), signed so that positive supports the claim."""
+    alpha, rng = ctx.alpha, ctx.rng(rule)
+    if rule.kind == "ratio":
+        (a, b), metric = ctx.paired(rule, rule.arms)
+        x = rule.bound
+        d = a - x * b if rule.op == ">=" else x * b - a
+        idx = rng.integers(0, a.size, size=(ctx.n_resamples, a.size))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            boot = a[idx].mean(axis=1) / b[idx].mean(axis=1)
+        tail = alpha / 2
+        ci = (float(np.nanquantile(boot, tail)), float(np.nanquantile(boot, 1 - tail)))
+        estimate = float(a.mean() / b.mean()) if b.mean() != 0 else math.nan
+        measured = f"mean {rule.arms[0]} / mean {rule.arms[1]} = {_fmt(estimate)}{_ci_text(ci)} {metric}"
+        measured += f", n={a.size}, claim {rule.op} {_fmt(x)}"
+    else:
+        arm = rule.arms[0]
+        metric = ctx.metric(rule, arm)
+        values = np.array(list(_pairs(ctx.rows(arm), metric, arm).values()))
+        if values.size < 2:
+            raise NotRun(f"arm {arm!r}: {values.size} value(s) of {metric!r}; need 2")
+        bound = float(rule.args[0])
+        d = values - bound if rule.kind == "at_least" else bound - values
+        ci = bootstrap_ci(values, level=1 - alpha, n_resamples=ctx.n_resamples, rng=rng)
+        estimate = float(values.mean())
+        sign = ">=" if rule.kind == "at_least" else "<="
+        measured = f"mean {metric} of {arm} = {_fmt(estimate)}{_ci_text(ci)}, n={values.size}"
+        measured += f", claim {sign} {_fmt(bound)}"
+    p_support, p_against = _t_sides(d)
+    out = Outcome(rule.text, "inconclusive", estimate, ci, int(d.size), measured=measured)
+    if p_support < alpha:
+        out.verdict = "reproduced"
+    elif p_against < alpha:
+        out.verdict = "not reproduced"
+    else:
+        out.n_needed = n_from_pilot(d, "greater" if d.mean() >= 0 else "less", alpha=alpha, power=POWER)
+    return out
+
+
+def _cliff_outcome(ctx: _Context, rule: Rule) -> Outcome:
+    """cliff_within: every grid point of the family is compared with the reference through
+    ``kvbench.stats.compare`` (paired sign-flip, Holm over the grid, TOST at the margin)."""
+    family, reference = rule.arms
+    metric = ctx.metric(rule, family)
+    fam, ref = ctx.rows(family), ctx.rows(reference)
+    if fam["bits"].isna().any() or fam.groupby("method")["bits"].nunique().gt(1).any():
+        raise NotRun(f"arm {family!r}: every configuration needs one bit width")
+    if ref["method"].nunique() > 1:
+        raise NotRun(f"arm {reference!r} matches several configurations; narrow it")
+    lo, hi = (float(v) for v in _INTERVAL.match(rule.args[0]).groups())
+    margin = rule.kwargs.get("margin", ctx.plan.get("margin"))
+    margin = None if margin is None or (isinstance(margin, float) and math.isnan(margin)) else float(margin)
+    ref_label = ref["method"].iloc[0]
+    data = pd.concat([fam, ref])
+    data = data.assign(_value=metric_values(data, metric)).dropna(subset=["_value"])
+    table = compare(
+        data[["method", "bits", "_value", *PAIR_KEYS]],
+        "_value",
+        reference=ref_label,
+        by=("method", "bits"),
+        higher_is_better=ctx.higher_is_better(metric),
+        margin=margin,
+        alpha=ctx.alpha,
+        seed=ctx.seed,
+        n_resamples=ctx.n_resamples,
+        missing="intersect",
+    )
+    if table.empty or table["n"].min() < 2:
+        raise NotRun(f"fewer than 2 pairs with {reference!r} at some grid point")
+    cliff = locate_cliff(table, bits_col="bits", verdict_col="verdict")
+    high = table[table["bits"] >= hi - 1e-9]
+    at_lo = table[table["bits"] <= lo + 1e-9].sort_values("bits").tail(1)
+    grid = " ".join(f"{b:g}:{v}" for b, v in zip(table["bits"], table["verdict"], strict=True))
+    bracket = cliff.interval or ("below the grid" if cliff.first_bad_bits is None else "above the grid")
+    n = int(table["n"].min())
+    out = Outcome(rule.text, "inconclusive", bracket, None, n)
+    out.measured = f"cliff {bracket} on {metric}, n={n} per point; {grid}"
+    holds = (high["verdict"] == "equivalent") if margin is not None else (high["verdict"] != "worse")
+    # A refutation needs only one side of the interval on the grid, so it is checked first.
+    if (high["verdict"] == "worse").any() or at_lo["verdict"].isin(["equivalent", "better"]).any():
+        out.verdict = "not reproduced"
+    elif not (np.isclose(table["bits"], hi).any() and np.isclose(table["bits"], lo).any()):
+        # Without grid points at both ends the runs cannot place the cliff inside the interval.
+        grid_text = " ".join(f"{b:g}" for b in table["bits"])
+        raise NotRun(f"the grid ({grid_text}) lacks a point at {hi:g} or at {lo:g}")
+    elif holds.all() and (at_lo["verdict"] == "worse").all():
+        out.verdict = "reproduced"
+    else:
+        needed = []
+        ref_pairs = _pairs(ref, metric, reference)
+        sign = 1.0 if ctx.higher_is_better(metric) else -1.0
+        for row in pd.concat([high[~holds], at_lo[at_lo["verdict"] != "worse"]]).itertuples():
+            pairs = _pairs(fam[fam["method"] == row.method], metric, family)
+            keys = sorted(pairs.keys() & ref_pairs.keys())
+            d = sign * np.array([pairs[k] - ref_pairs[k] for k in keys])
+            if row.bits >= hi - 1e-9 and margin is not None:
+                needed.append(n_from_pilot(d, "equivalence", margin=margin, alpha=ctx.alpha, power=POWER))
+            else:
+                level = ctx.alpha / len(table)
+                needed.append(
+                    n_from_pilot(d, "less" if d.mean() <= 0 else "greater", alpha=level, power=POWER)
+                )
+        out.n_needed = max(needed) if needed else math.nan
+    return out
+
+
+_EVALUATORS = {
+    "better": _difference_outcome,
+    "larger_gain": _difference_outcome,
+    "not_worse": _margin_outcome,
+    "equivalent": _margin_outcome,
+    "at_least": _bound_outcome,
+    "at_most": _bound_outcome,
+    "ratio": _bound_outcome,
+    "cliff_within": _cliff_outcome,
+}
+_ORDER = ("not reproduced", "not run", "inconclusive", "reproduced")
+
+
+@dataclass
+class ClaimResult:
+    claim: Claim
+    model: str
+    verdict: str
+    outcomes: list[Outcome]
+    reason: str = ""
+
+    @property
+    def n(self) -> int | None:
+        ns = [o.n for o in self.outcomes if o.n is not None]
+        return min(ns) if ns else None
+
+    @property
+    def n_needed(self) -> float | None:
+        ns = [o.n_needed for o in self.outcomes if o.verdict == "inconclusive" and o.n_needed is not None]
+        return max(ns) if ns else None
+
+    @property
+    def measured(self) -> str:
+        return "; ".join(o.measured or f"{o.rule}: {o.reason}" for o in self.outcomes)
+
+
+def evaluate_claims(
+    claims: list[Claim],
+    frames: Mapping[str, pd.DataFrame],
+    model: str,
+    alpha: float = ALPHA,
+    seed: int = 0,
+    n_resamples: int = 10_000,
+) -> list[ClaimResult]:
+    """Every claim's verdict on ``model`` from ``frames`` (``{experiment: sample frame}``, as
+    ``kvbench.analysis.archive.load_archives`` or ``frames_from_runs`` give)."""
+    results: list[ClaimResult] = []
+    families: dict[str, list[Outcome]] = {}
+    for claim in claims:
+        if claim.untestable is not None:
+            results.append(ClaimResult(claim, model, "not testable here", [], claim.untestable))
+            continue
+        frame = frames.get(claim.experiment)
+        sub = frame[frame["model"] == model] if frame is not None else None
+        if sub is None or sub.empty:
+            why = claim.pending or f"no runs of {claim.experiment} on {model}"
+            outcomes = [Outcome(r.text, "not run", reason=why) for r in claim.rules]
+            results.append(ClaimResult(claim, model, "not run", outcomes, why))
+            continue
+        ctx = _Context(claim, sub, alpha, seed, n_resamples)
+        outcomes = []
+        for rule in claim.rules:
+            try:
+                outcome = _EVALUATORS[rule.kind](ctx, rule)
+            except NotRun as err:
+                reason = str(err) + (f" ({claim.pending})" if claim.pending else "")
+                outcome = Outcome(rule.text, "not run", reason=reason)
+            outcomes.append(outcome)
+            if outcome.verdict == "pending":
+                families.setdefault(claim.family or claim.id, []).append(outcome)
+        results.append(ClaimResult(claim, model, "", outcomes))
+    for members in families.values():
+        _decide_family(members, alpha)
+    for result in results:
+        if not result.verdict:
+            verdicts = {o.verdict for o in result.outcomes}
+            result.verdict = next(v for v in _ORDER if v in verdicts)
+            result.reason = "; ".join(o.reason for o in result.outcomes if o.reason)
+    return results
+
+
+CLAIMS_COLUMNS = [
+    "id",
+    "paper",
+    "where",
+    "published",
+    "measured",
+    "n",
+    "verdict",
+    "n_needed",
+    "experiment",
+    "rule",
+]
+
+
+def claims_table(results: list[ClaimResult]) -> pd.DataFrame:
+    """One row per claim: id, paper, where, published, measured (each rule's estimate, interval,
+    pairs and test), n (fewest pairs of any rule), verdict, n_needed (pairs to settle an
+    inconclusive claim; ``inf`` when the observed effect is nil), experiment, rule (with the reason
+    for ``not run`` / ``not testable here``)."""
+    rows = []
+    for r in results:
+        c = r.claim
+        rule = "; ".join(x.text for x in c.rules) if c.rules else "-"
+        if r.verdict in ("not run", "not testable here") and r.reason:
+            rule = f"{rule} ({r.reason})" if c.rules else r.reason
+        n_needed = r.n_needed
+        rows.append(
+            {
+                "id": c.id,
+                "paper": c.paper,
+                "where": c.where,
+                "published": str(c.published),
+                "measured": r.measured if r.verdict not in ("not run", "not testable here") else "-",
+                "n": r.n,
+                "verdict": r.verdict,
+                "n_needed": None
+                if n_needed is None or (isinstance(n_needed, float) and math.isnan(n_needed))
+                else ("inf" if math.isinf(n_needed) else str(int(n_needed))),
+                "experiment": c.experiment or "-",
+                "rule": rule,
+            }
+        )
+    return pd.DataFrame(rows, columns=CLAIMS_COLUMNS, dtype=object)
+
+
+def verdict_counts(results: list[ClaimResult]) -> str:
+    counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
+    return "; ".join(f"{v}: {n}" for v, n in counts.items())

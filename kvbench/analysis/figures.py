@@ -40,7 +40,8 @@ def cliff_map(
     """Score against code bits (or the plan's other grid key) for every method family with a grid,
     with ``1 - alpha`` bootstrap intervals; the reference's mean and interval as a horizontal band;
     each family's cliff bracket (``locate_cliff`` on the paired verdicts) shaded between the first bad and the
-    last ok bit width; the runaway rate on a second y axis (dashed).
+    last ok bit width; the runaway rate against the reference's generations on a second y axis
+    (dashed).
 
     ``means`` is ``config_means`` output, ``paired`` is ``paired_table`` output for the same frame.
     """
@@ -84,7 +85,7 @@ def cliff_map(
             ax.axhspan(r["ci_low"], r["ci_high"], color="black", alpha=0.08)
     ax.set_xlabel("code bits per value" if grid_key == "bits" else grid_key)
     ax.set_ylabel(f"{metric} (mean, bootstrap CI)")
-    twin.set_ylabel("runaway rate (dashed)")
+    twin.set_ylabel("runaway rate vs reference (dashed)")
     twin.set_ylim(-0.02, 1.02)
     ax.legend(loc="center left", fontsize=8)
     ax.set_title(title or f"Quality against bits: {metric}")

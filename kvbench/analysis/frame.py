@@ -1,7 +1,8 @@
 """Every stored sample of every run under a folder, as one pandas DataFrame.
 
 One row per (run, sample): the run's identity (run id, folder, task, model, method label, method
-name, bits, seed), the experiment's analysis plan (``config.json``'s ``analysis`` block, if any),
+name, bits, seed), the run's whole method node (``method_config``, a dict: what claims select their
+arms by), the experiment's analysis plan (``config.json``'s ``analysis`` block, if any),
 the per-sample scores, the generation fields the runaway rate needs (prediction, stopped,
 generated tokens, the task's ``max_new_tokens``) and the per-sample memory accounting flattened
 (``effective_bits``, ``code_bits``, ...). A run folder is any folder holding ``config.json`` and
@@ -117,6 +118,7 @@ def _run_rows(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             "model": row.get("model") or (config.get("model") or {}).get("name"),
             "method": row.get("method") or (metrics or {}).get("method") or method_cfg.get("name"),
             "method_name": method_cfg.get("name", "fp16"),
+            "method_config": method_cfg,
             "bits": float(bits) if _is_number(bits) else math.nan,
             "seed": int(row.get("seed", config.get("seed", 0))),
             "sample_id": str(row["sample_id"]),

@@ -1,7 +1,8 @@
 """Report tables from the sample frame (``kvbench.analysis.frame.load_frame``).
 
 - ``config_means``: per configuration (method label and bits) the mean of the metric over every
-  sample and seed with a bootstrap interval, the mean effective bits and the runaway rate.
+  sample and seed with a bootstrap interval, the mean effective bits, the runaway rate against the
+  reference's generations and the share of looping generations.
 - ``paired_table``: every configuration against the reference, paired by (sample_id, seed), through
   ``kvbench.stats.compare`` (paired-bootstrap CI of the mean difference, sign-flip p, Holm, TOST at
   the declared margin, verdict), plus McNemar's test (Holm-adjusted on its own) when the metric is
@@ -24,7 +25,16 @@ import numpy as np
 import pandas as pd
 
 from kvbench.analysis.frame import higher_is_better
-from kvbench.stats import PAIR_KEYS, bootstrap_ci, compare, holm, locate_cliff, mcnemar_test, runaway_rate
+from kvbench.stats import (
+    PAIR_KEYS,
+    bootstrap_ci,
+    compare,
+    degenerate_rate,
+    holm,
+    locate_cliff,
+    mcnemar_test,
+    runaway_rate,
+)
 
 MEANS_COLUMNS = [
     "method",
@@ -39,6 +49,7 @@ MEANS_COLUMNS = [
     "effective_bits",
     "code_bits",
     "runaway_rate",
+    "degenerate_rate",
 ]
 
 
@@ -56,19 +67,28 @@ def method_family(label: str, value: float, grid_key: str = "bits") -> str:
     return re.sub(rf"-[^-\[]*{number}[^-\[]*(?=[-\[]|$)", "", label, count=1)
 
 
-def _runaway(group: pd.DataFrame) -> float:
-    """Runaway rate of a group's generations (NaN when the task does not generate)."""
+def _generations(group: pd.DataFrame) -> list[dict[str, Any]] | None:
+    """The group's generation rows as records, or None when the task does not generate."""
     needed = {"prediction", "stopped", "generated_tokens", "max_new_tokens"}
     if not needed <= set(group.columns):
-        return math.nan
+        return None
     gen = group.dropna(subset=["stopped", "generated_tokens", "max_new_tokens"])
-    if gen.empty:
+    return gen.to_dict("records") if not gen.empty else None
+
+
+def _runaway(group: pd.DataFrame, reference: pd.DataFrame | None) -> float:
+    """Runaway rate of a group's generations against the reference's on the same pairs
+    (``kvbench.stats.runaway_rate``); NaN when the task does not generate or no reference ran."""
+    rows = _generations(group)
+    refs = _generations(reference) if reference is not None else None
+    if rows is None or refs is None:
         return math.nan
-    rates = [
-        runaway_rate(sub.to_dict("records"), int(limit)) * len(sub)
-        for limit, sub in gen.groupby("max_new_tokens")
-    ]
-    return float(sum(rates) / len(gen))
+    return runaway_rate(rows, refs)
+
+
+def _degenerate(group: pd.DataFrame) -> float:
+    rows = _generations(group)
+    return math.nan if rows is None else degenerate_rate(rows)
 
 
 def config_means(
@@ -78,13 +98,19 @@ def config_means(
     n_resamples: int = 10_000,
     seed: int = 0,
     grid_key: str = "bits",
+    reference: str | None = "fp16",
 ) -> pd.DataFrame:
     """One row per configuration (method label, bits): n values (samples x seeds), number of seeds,
     mean of ``metric``, its percentile bootstrap ``1 - alpha`` interval (resampling the n values),
-    mean effective and code bits per value from the per-sample accounting, and the runaway rate
-    (``kvbench.stats.runaway_rate``; NaN for tasks that do not generate)."""
+    mean effective and code bits per value from the per-sample accounting, the runaway rate against
+    the ``reference`` method's generations on the same pairs (``kvbench.stats.runaway_rate``; 0 for
+    the reference by construction) and the share of degenerate (looping) generations with no
+    reference (``kvbench.stats.degenerate_rate``); both NaN for tasks that do not generate."""
     if metric not in frame.columns:
         raise ValueError(f"metric {metric!r} is not a column of the frame; columns: {sorted(frame.columns)}")
+    ref_rows = frame[frame["method"] == reference] if reference is not None else None
+    if ref_rows is not None and ref_rows.empty:
+        ref_rows = None
     rows = []
     for (method, bits), group in frame.groupby(["method", "bits"], sort=True, dropna=False):
         values = group[metric].to_numpy(dtype=float)
@@ -109,7 +135,8 @@ def config_means(
                 "ci_high": high,
                 "effective_bits": _col_mean(group, "effective_bits"),
                 "code_bits": _col_mean(group, "code_bits"),
-                "runaway_rate": _runaway(group),
+                "runaway_rate": _runaway(group, ref_rows),
+                "degenerate_rate": _degenerate(group),
             }
         )
     return pd.DataFrame(rows, columns=MEANS_COLUMNS)

@@ -65,7 +65,9 @@ def analyze(
     if metric not in frame.columns:
         raise ValueError(f"analysis.metric={metric}: not a per-sample column of the {key[0]} runs")
     grid_key = plan.get("grid_key") or "bits"
-    means = tables.config_means(frame, metric, float(plan["alpha"]), n_resamples, seed, grid_key)
+    means = tables.config_means(
+        frame, metric, float(plan["alpha"]), n_resamples, seed, grid_key, reference=plan["reference"]
+    )
     notes = []
     if (frame["method"] == plan["reference"]).any():
         paired = tables.paired_table(frame, plan, seed=seed, n_resamples=n_resamples)

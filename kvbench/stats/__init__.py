@@ -1,7 +1,9 @@
-"""Paired statistics: method vs FP16 reference on the same samples and seeds, and bit-grid cliffs."""
+"""Paired statistics: method vs FP16 reference on the same samples and seeds, bit-grid cliffs,
+runaway generations and the sample sizes a comparison needs (``power``)."""
 
 from kvbench.stats.cliff import (
     Cliff,
+    degenerate_rate,
     is_degenerate,
     is_runaway,
     locate_cliff,
@@ -24,6 +26,15 @@ from kvbench.stats.paired import (
     verdict,
     win_rate,
 )
+from kvbench.stats.power import (
+    n_for_difference,
+    n_for_equivalence,
+    n_for_noninferiority,
+    n_from_pilot,
+    n_normal,
+    power_difference,
+    power_equivalence,
+)
 
 __all__ = [
     "PAIR_KEYS",
@@ -33,12 +44,20 @@ __all__ = [
     "bootstrap_ci",
     "cohens_dz",
     "compare",
+    "degenerate_rate",
     "holm",
     "is_degenerate",
     "is_runaway",
     "locate_cliff",
     "mcnemar_test",
+    "n_for_difference",
+    "n_for_equivalence",
+    "n_for_noninferiority",
+    "n_from_pilot",
+    "n_normal",
     "paired_differences",
+    "power_difference",
+    "power_equivalence",
     "repeated_coverage",
     "runaway_rate",
     "sign_flip_test",

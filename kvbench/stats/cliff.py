@@ -2,8 +2,9 @@
 
 ``locate_cliff`` reads the per-bit verdicts that ``kvbench.stats.compare`` produces for one method
 and brackets the bit width at which the method first becomes significantly worse than the
-reference (the SemKV-style "cliff"). ``runaway_rate`` counts generations that never stop or loop,
-the usual failure mode below the cliff that a task score alone can hide.
+reference (the SemKV-style "cliff"). ``runaway_rate`` counts generations that loop or never stop
+where the reference's generation on the same sample did not, the usual failure mode below the cliff
+that a task score alone can hide.
 """
 
 from __future__ import annotations
@@ -132,18 +133,72 @@ def is_degenerate(text: str, n: int = 4, min_repeats: int = 3, min_coverage: flo
     return repeated_coverage(text, n, min_repeats) >= min_coverage
 
 
-def is_runaway(row: Mapping[str, Any], max_new_tokens: int, **degenerate_kwargs: Any) -> bool:
-    """True when a generation hit the length limit without stopping (``stopped`` is False and
-    ``generated_tokens >= max_new_tokens``) or its ``prediction`` is degenerate (``is_degenerate``)."""
-    hit_limit = not row["stopped"] and row["generated_tokens"] >= max_new_tokens
-    return bool(hit_limit or is_degenerate(row["prediction"], **degenerate_kwargs))
+def _hit_limit(row: Mapping[str, Any], max_new_tokens: int | None) -> bool:
+    limit = row.get("max_new_tokens", max_new_tokens) if max_new_tokens is None else max_new_tokens
+    if limit is None or row.get("stopped") is None or row.get("generated_tokens") is None:
+        return False
+    return not row["stopped"] and row["generated_tokens"] >= limit
 
 
-def runaway_rate(rows: Iterable[Mapping[str, Any]], max_new_tokens: int, **degenerate_kwargs: Any) -> float:
-    """Share of generations that run away (``is_runaway``): length-limit hits plus degenerate loops.
+def is_runaway(
+    row: Mapping[str, Any],
+    reference: Mapping[str, Any],
+    max_new_tokens: int | None = None,
+    overrun_factor: float = 2.0,
+    **degenerate_kwargs: Any,
+) -> bool:
+    """True when a generation ran away *where the reference's generation on the same sample did
+    not*. ``row`` and ``reference`` are one (sample_id, seed) pair's rows (``prediction``,
+    ``stopped``, ``generated_tokens``; ``max_new_tokens`` from the row unless given). Either:
 
-    ``rows`` are dicts with ``prediction``, ``stopped`` and ``generated_tokens``; keyword arguments
-    (``n``, ``min_repeats``, ``min_coverage``) go to ``is_degenerate``. NaN for no rows.
+    - it loops and the reference does not: ``is_degenerate(row)`` and not ``is_degenerate(reference)``
+      (``degenerate_kwargs`` go to ``is_degenerate``); or
+    - it overruns: it hit the length limit without stopping while the reference stopped within
+      ``1 / overrun_factor`` of that limit (``generated_tokens * overrun_factor <= max_new_tokens``).
+
+    Hitting the limit alone says nothing when the limit is about as long as a healthy answer: the
+    NIAH nodes allow 24-32 new tokens for a ~23-token answer, so the FP16 reference itself is cut
+    off on most samples. Requiring room for twice the reference's answer makes a limit hit mean
+    "kept going well past where the reference stopped". A pair is never a runaway of the
+    reference against itself, so the reference's rate is 0 by construction; ``degenerate_rate``
+    reports how often the reference itself loops.
     """
-    flags = [is_runaway(r, max_new_tokens, **degenerate_kwargs) for r in rows]
+    loops = is_degenerate(row.get("prediction") or "", **degenerate_kwargs) and not is_degenerate(
+        reference.get("prediction") or "", **degenerate_kwargs
+    )
+    if loops:
+        return True
+    limit = row.get("max_new_tokens", max_new_tokens) if max_new_tokens is None else max_new_tokens
+    ref_tokens = reference.get("generated_tokens")
+    ref_stopped = bool(reference.get("stopped")) and ref_tokens is not None and limit is not None
+    return bool(_hit_limit(row, max_new_tokens) and ref_stopped and ref_tokens * overrun_factor <= limit)
+
+
+def _key(row: Mapping[str, Any]) -> tuple:
+    return (str(row["sample_id"]), int(row["seed"]))
+
+
+def runaway_rate(
+    rows: Iterable[Mapping[str, Any]],
+    reference_rows: Iterable[Mapping[str, Any]],
+    max_new_tokens: int | None = None,
+    **kwargs: Any,
+) -> float:
+    """Share of a method's generations that run away relative to the reference (``is_runaway``).
+
+    ``rows`` and ``reference_rows`` are mappings with ``sample_id``, ``seed``, ``prediction``,
+    ``stopped``, ``generated_tokens`` (and ``max_new_tokens`` unless given); they are paired on
+    (sample_id, seed) and rows without a reference partner are left out. Keyword arguments go to
+    ``is_runaway`` (``overrun_factor``) and ``is_degenerate`` (``n``, ``min_repeats``,
+    ``min_coverage``). NaN when no row has a partner.
+    """
+    refs = {_key(r): r for r in reference_rows}
+    flags = [is_runaway(r, refs[_key(r)], max_new_tokens, **kwargs) for r in rows if _key(r) in refs]
+    return sum(flags) / len(flags) if flags else math.nan
+
+
+def degenerate_rate(rows: Iterable[Mapping[str, Any]], **degenerate_kwargs: Any) -> float:
+    """Share of generations whose ``prediction`` loops (``is_degenerate``), with no reference: the
+    absolute figure, shown for the reference itself. NaN for no rows."""
+    flags = [is_degenerate(r.get("prediction") or "", **degenerate_kwargs) for r in rows]
     return sum(flags) / len(flags) if flags else math.nan

@@ -1,74 +1,240 @@
 import copy
+import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
+from synthetic_claims import EXPERIMENT, NOISE, SAMPLES, SEEDS, fp16_score, write_claim_runs
 
 from kvbench import report
-from kvbench.analysis.claims import PAPERS, ClaimsError, claims_table, load_claims
+from kvbench.analysis.archive import frames_from_runs
+from kvbench.analysis.claims import (
+    PAPERS,
+    ClaimsError,
+    Outcome,
+    _decide_family,
+    claims_table,
+    evaluate_claims,
+    load_claims,
+    validate,
+)
+from kvbench.stats import n_from_pilot
 
 REPO = Path(__file__).resolve().parents[2]
 CLAIMS = REPO / "results" / "claims.yaml"
+N_PAIRS = len(SAMPLES) * len(SEEDS)
 
-
-def test_committed_claims_load_and_cover_every_paper():
-    claims = load_claims(CLAIMS)
-    assert {c.paper for c in claims} == set(PAPERS)
-    # Every paper has at least one claim that is not left pending or untestable.
-    decided = {c.paper for c in claims if c.verdict in ("reproduced in direction", "not reproduced")}
-    assert decided == set(PAPERS)
-    for claim in claims:
-        if claim.verdict == "pending":
-            assert claim.measured == "pending" and claim.source is None and claim.experiment
-
-
-def test_measured_numbers_are_in_their_source():
-    """Every 3- or 4-decimal number quoted as measured appears verbatim in the cited result file."""
-    checked = 0
-    for claim in load_claims(CLAIMS):
-        if claim.source is None:
-            continue
-        text = (REPO / claim.source).read_text()
-        for number in re.findall(r"(?<![\d.])\d+\.\d{3,4}(?![\d.])", str(claim.measured)):
-            assert number in text, f"{claim.id}: {number} not in {claim.source}"
-            checked += 1
-    assert checked >= 20
-
-
-def _write(tmp_path, claims):
-    (tmp_path / "results").mkdir(exist_ok=True)
-    (tmp_path / "results" / "table.md").write_text("| a | 0.5 |\n")
-    path = tmp_path / "results" / "claims.yaml"
-    path.write_text(yaml.safe_dump({"claims": claims}))
-    return path
-
-
-GOOD = {
-    "id": "x-claim",
-    "paper": "kivi",
-    "where": "Table 1",
-    "statement": "KIVI is good.",
-    "published": "2 %",
-    "experiment": "kivi_axis_ablation",
-    "measured": "0.5",
-    "source": "results/table.md",
-    "verdict": "reproduced in direction",
+ARMS = {
+    "fp16": {"method": "fp16"},
+    "chan": {"method": "kivi", "bits": 2, "config": {"key_axis": "channel"}},
+    "tok": {"method": "kivi", "bits": 2, "config": {"key_axis": "token"}},
+    "kivi_any": {"method": "kivi", "bits": 2},
+    "u4": {"label": "uniform-4b"},
+    "u3": {"method": "uniform", "bits": 3},
+    "u2": {"method": "uniform", "bits": 2},
+    "uniform": {"method": "uniform"},
+    "ott": {"method": "ott", "bits": 2},
+    "turbo": {"method": "turboquant"},
+    "topk": {"method": "fp16", "metric": "hit_rates.exact_topk.0.005"},
+    "h2o": {"method": "fp16", "metric": "hit_rates.h2o.0.005"},
 }
+
+
+def _claim(cid, rule, experiment=EXPERIMENT, **extra):
+    return {
+        "id": cid,
+        "paper": "semkv",
+        "where": "Table 1",
+        "statement": "A statement.",
+        "published": "1.0",
+        "experiment": experiment,
+        "arms": ARMS,
+        "rule": rule,
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory):
+    return frames_from_runs(write_claim_runs(tmp_path_factory.mktemp("claim_runs")))
+
+
+def _evaluate(frames, entries, model="tiny"):
+    claims = [validate(e, i) for i, e in enumerate(entries)]
+    return {r.claim.id: r for r in evaluate_claims(claims, frames, model, n_resamples=300)}
+
+
+# The per-pair noise differences the inconclusive cases are built on (see synthetic_claims).
+def _noise_diff():
+    k = np.arange(N_PAIRS)
+    return (NOISE[k] + 0.05) - NOISE[k]
+
+
+CASES = [
+    # better: one-sided paired sign-flip, Holm in the claim's family
+    ("better-yes", "better(chan, tok)", "reproduced"),
+    ("better-no", "better(tok, chan)", "not reproduced"),
+    ("better-flat", "better(u4, u3)", "inconclusive"),
+    # not_worse: the non-inferiority half of TOST
+    ("nw-yes", "not_worse(ott, fp16, margin=0.1)", "reproduced"),
+    ("nw-no", "not_worse(u2, fp16, margin=0.1)", "not reproduced"),
+    # equivalent: both halves
+    ("eq-yes", "equivalent(u4, fp16, margin=0.1)", "reproduced"),
+    ("eq-no", "equivalent(u2, fp16, margin=0.1)", "not reproduced"),
+    # cliff_within: uniform is equivalent to fp16 at 4 and 3 bits and worse at 2
+    ("cliff-yes", 'cliff_within(uniform, fp16, "(2, 3]")', "reproduced"),
+    ("cliff-too-low", 'cliff_within(uniform, fp16, "(3, 4]")', "not reproduced"),
+    ("cliff-too-high", 'cliff_within(uniform, fp16, "(1, 2]")', "not reproduced"),
+    ("cliff-off-grid", 'cliff_within(uniform, fp16, "(2, 2.5]")', "not run"),
+    ("cliff-holds-below", 'cliff_within(uniform, fp16, "(4, 5]")', "not reproduced"),
+    # at_least / at_most: one-sample t-test against the bound
+    ("al-yes", 'at_least(fp16, 0.9, metric="hit_rates.exact_topk.0.005")', "reproduced"),
+    ("al-no", 'at_least(fp16, 0.99, metric="hit_rates.exact_topk.0.005")', "not reproduced"),
+    ("am-yes", "at_most(h2o, 0.6)", "reproduced"),
+    # ratio: mean(a) / mean(b) against the bound, paired
+    ("ratio-yes", 'ratio(fp16, u4, metric="effective_bits") >= 3.0', "reproduced"),
+    ("ratio-no", 'ratio(fp16, u4, metric="effective_bits") >= 4.0', "not reproduced"),
+    ("ratio-le", 'ratio(u4, fp16, metric="effective_bits") <= 0.35', "reproduced"),
+    # larger_gain: (chan - tok) - (ott - fp16) = fp16 score + 0.02 > 0
+    ("gain-yes", "larger_gain(chan, tok, ott, fp16)", "reproduced"),
+    ("gain-no", "larger_gain(ott, fp16, chan, tok)", "not reproduced"),
+    # arms with their own metric columns of one run
+    ("columns", "better(topk, h2o)", "reproduced"),
+    # selection failures are "not run"
+    ("arm-missing", "better(turbo, fp16)", "not run"),
+    ("arm-ambiguous", "better(kivi_any, fp16)", "not run"),
+]
+
+
+@pytest.mark.parametrize("cid, rule, expected", CASES, ids=[c[0] for c in CASES])
+def test_each_rule_kind_gives_the_built_in_verdict(frames, cid, rule, expected):
+    result = _evaluate(frames, [_claim(cid, rule)])[cid]
+    assert result.verdict == expected, result.measured or result.reason
+    if expected not in ("not run",):
+        assert result.n == N_PAIRS
+    if expected == "reproduced" or expected == "not reproduced":
+        assert result.n_needed is None
+
+
+def test_estimates_are_computed_from_the_runs(frames):
+    results = _evaluate(
+        frames,
+        [
+            _claim("a", "better(chan, tok)"),
+            _claim("b", 'ratio(fp16, u4, metric="effective_bits") >= 3.0'),
+            _claim("c", 'cliff_within(uniform, fp16, "(2, 3]")'),
+            _claim("d", 'at_least(fp16, 0.9, metric="hit_rates.exact_topk.0.005")'),
+        ],
+    )
+    hand = np.mean([fp16_score(i) for i in range(len(SAMPLES))])
+    assert results["a"].outcomes[0].estimate == pytest.approx(hand)
+    assert results["b"].outcomes[0].estimate == pytest.approx(16 / 5)
+    assert results["c"].outcomes[0].estimate == "(2, 3]"
+    assert results["d"].outcomes[0].estimate == pytest.approx(0.95 + NOISE.mean() / 10)
+    lo, hi = results["d"].outcomes[0].ci
+    assert lo < 0.95 + NOISE.mean() / 10 < hi
+    assert "n=24" in results["a"].measured and "Holm p=" in results["a"].measured
+
+
+def test_inconclusive_reports_the_pairs_needed(frames):
+    noise = NOISE[np.arange(N_PAIRS)]
+    target = float(noise.mean()) - 0.004  # a bound just under the observed mean
+    results = _evaluate(
+        frames,
+        [
+            _claim("al", f'at_least(fp16, {target!r}, metric="noise")'),
+            _claim("nw", 'not_worse(fp16, chan, metric="noise", margin=0.01)'),
+        ],
+    )
+    al = results["al"]
+    assert al.verdict == "inconclusive"
+    assert al.n_needed == n_from_pilot(noise - target, "greater") > N_PAIRS
+    nw = results["nw"]
+    # fp16 - chan = -0.05 on every pair: below -margin with no spread, so it is decided
+    assert nw.verdict == "not reproduced"
+    table = claims_table([al])
+    assert table.loc[0, "n_needed"] == str(int(al.n_needed)) and table.loc[0, "verdict"] == "inconclusive"
+
+
+def test_holm_across_the_family_can_turn_a_pass_inconclusive():
+    diffs = np.array([0.1, 0.2, -0.05, 0.15, 0.1, 0.05])
+    alone = [Outcome("better(a, b)", "pending", p_greater=0.04, p_less=0.9, diffs=diffs)]
+    _decide_family(alone, 0.05)
+    assert alone[0].verdict == "reproduced"
+    pair = [
+        Outcome(f"r{i}", "pending", p_greater=p, p_less=0.9, diffs=diffs) for i, p in enumerate((0.04, 0.03))
+    ]
+    _decide_family(pair, 0.05)  # Holm: 0.03 * 2 = 0.06 > alpha, so neither is rejected
+    assert [o.verdict for o in pair] == ["inconclusive", "inconclusive"]
+    # planned at alpha / m, Holm's first step
+    assert pair[0].n_needed == n_from_pilot(diffs, "greater", alpha=0.025)
+    assert pair[0].n_needed > n_from_pilot(diffs, "greater", alpha=0.05)
+
+
+def test_family_shared_between_claims(frames):
+    one = _evaluate(frames, [_claim("x", "better(chan, tok)")])["x"]
+    shared = _evaluate(
+        frames,
+        [_claim("x", "better(chan, tok)", family="f"), _claim("y", "better(topk, h2o)", family="f")],
+    )
+    assert "1 in family" in one.measured and "2 in family" in shared["x"].measured
+
+
+def test_a_claim_is_as_weak_as_its_weakest_rule(frames):
+    results = _evaluate(
+        frames,
+        [
+            _claim("run-and-missing", ["better(chan, tok)", "better(turbo, fp16)"]),
+            _claim("pass-and-fail", ["better(chan, tok)", "better(tok, chan)"]),
+            _claim("pass-and-open", ["better(chan, tok)", "better(u4, u3)"]),
+        ],
+    )
+    assert results["run-and-missing"].verdict == "not run"
+    assert "arm 'turbo' matches no run" in results["run-and-missing"].reason
+    assert results["pass-and-fail"].verdict == "not reproduced"
+    assert results["pass-and-open"].verdict == "inconclusive"
+    assert math.isinf(results["pass-and-open"].n_needed)  # no difference at all: never detectable
+
+
+def test_not_run_without_runs_and_not_testable(frames):
+    entries = [
+        _claim("other-node", "better(chan, tok)", experiment="kivi_gsm8k"),
+        _claim("pending", "better(chan, tok)", experiment="attention_probe", pending="no probe node yet"),
+        {k: v for k, v in _claim("gpu", None, experiment=None).items() if k not in ("arms", "rule")}
+        | {"untestable": "GPU only"},
+    ]
+    results = _evaluate(frames, entries)
+    assert results["other-node"].verdict == "not run"
+    assert results["other-node"].reason == "no runs of kivi_gsm8k on tiny"
+    assert results["pending"].verdict == "not run" and results["pending"].reason == "no probe node yet"
+    assert results["gpu"].verdict == "not testable here"
+    # another model has no runs of the experiment at all
+    assert _evaluate(frames, [_claim("m", "better(chan, tok)")], model="llama")["m"].verdict == "not run"
+
+
+GOOD = _claim("x-claim", "better(chan, tok)")
 
 
 @pytest.mark.parametrize(
     "change, field, message",
     [
-        ({"verdict": "reproduced"}, "verdict", "not one of"),
+        ({"measured": "0.5"}, "measured", "computed from the runs"),
+        ({"verdict": "reproduced"}, "verdict", "computed from the runs"),
         ({"paper": "gear"}, "paper", "not one of"),
-        ({"source": "results/missing.md"}, "source", "does not exist"),
-        ({"source": None}, "source", "committed file under results/"),
-        ({"measured": "pending"}, "measured", "a value is required"),
-        ({"verdict": "pending"}, "measured", "must be 'pending'"),
-        ({"verdict": "pending", "measured": "pending"}, "source", "must be null"),
-        ({"verdict": "not testable here", "experiment": None}, "note", "non-empty text"),
-        ({"verdict": "not reproduced"}, "note", "non-empty text"),
+        ({"rule": "best(chan, tok)"}, "rule", "unknown rule"),
+        ({"rule": "better(chan, nope)"}, "rule", "not declared under arms"),
+        ({"rule": "better(chan)"}, "rule", "takes 2 arms"),
+        ({"rule": "not_worse(chan, tok)"}, "rule", "needs margin"),
+        ({"rule": "not_worse(chan, tok, margin=-1)"}, "rule", "positive"),
+        ({"rule": 'cliff_within(uniform, fp16, "2 to 3")'}, "rule", "interval"),
+        ({"rule": "ratio(fp16, u4)"}, "rule", "ratio needs"),
+        ({"rule": "better(chan, tok) >= 2"}, "rule", "only ratio compares"),
+        ({"rule": "better(chan, tok) +"}, "rule", "not a rule"),
+        ({"rule": None}, "rule", "needs a rule"),
+        ({"arms": {"a": {"bits": 2}}, "rule": "at_least(a, 1)"}, "arms.a", "needs 'label' or 'method'"),
+        ({"arms": {"a": {"method": "kivi", "folder": "x"}}}, "arms.a", "unknown key"),
         ({"statement": ""}, "statement", "non-empty text"),
         ({"experiment": None}, "experiment", "non-empty text"),
         ({"colour": "red"}, "colour", "unknown field"),
@@ -77,37 +243,57 @@ GOOD = {
 )
 def test_schema_errors_name_claim_and_field(tmp_path, change, field, message):
     entry = {**copy.deepcopy(GOOD), **change}
-    path = _write(tmp_path, [entry])
+    path = tmp_path / "claims.yaml"
+    path.write_text(yaml.safe_dump({"claims": [entry]}))
     with pytest.raises(ClaimsError, match=message) as err:
         load_claims(path, require_all_papers=False)
     assert err.value.claim == "x-claim" and err.value.field == field
-    assert str(err.value).startswith(f"claim 'x-claim' field '{field}'")
 
 
-def test_missing_field_duplicates_and_coverage(tmp_path):
-    entry = {k: v for k, v in GOOD.items() if k != "where"}
-    with pytest.raises(ClaimsError, match="claim 'x-claim' field 'where': missing"):
-        load_claims(_write(tmp_path, [entry]), require_all_papers=False)
-    with pytest.raises(ClaimsError, match="field 'id': repeated"):
-        load_claims(_write(tmp_path, [GOOD, GOOD]), require_all_papers=False)
-    with pytest.raises(ClaimsError, match="no claim for the seed paper 'intactkv'"):
-        load_claims(_write(tmp_path, [GOOD]))
-    good = load_claims(_write(tmp_path, [GOOD]), require_all_papers=False)
-    assert good[0].model == "smollm2-135m" and good[0].measured == "0.5"
-    table = claims_table(good, REPO / "conf")
-    assert table.loc[0, "node"] == (REPO / "conf" / "experiment" / "kivi_axis_ablation.yaml").is_file()
+def test_experiment_node_must_exist_unless_pending(tmp_path):
+    path = tmp_path / "claims.yaml"
+    path.write_text(yaml.safe_dump({"claims": [_claim("x", "better(chan, tok)", experiment="no_such_node")]}))
+    with pytest.raises(ClaimsError, match="no node conf/experiment/no_such_node.yaml"):
+        load_claims(path, conf_dir=REPO / "conf", require_all_papers=False)
+    path.write_text(
+        yaml.safe_dump(
+            {"claims": [_claim("x", "better(chan, tok)", experiment="no_such_node", pending="soon")]}
+        )
+    )
+    assert load_claims(path, conf_dir=REPO / "conf", require_all_papers=False)[0].pending == "soon"
 
 
-def test_cli_prints_the_claims_table(capsys, tmp_path):
-    assert report.main(["--claims"]) == 0
+def test_committed_declarations_hold_no_measured_values_or_verdicts():
+    text = CLAIMS.read_text()
+    assert not re.findall(r"^\s*-?\s*(measured|verdict|source)\s*:", text, flags=re.M)
+    claims = load_claims(CLAIMS, conf_dir=REPO / "conf")
+    assert {c.paper for c in claims} == set(PAPERS)
+    for claim in claims:
+        assert claim.rules or claim.untestable, claim.id
+        # every seed paper has at least one claim a run can decide
+    assert {c.paper for c in claims if c.rules} == set(PAPERS)
+
+
+def test_cli_computes_and_writes_the_verdict_table(tmp_path, capsys):
+    runs = write_claim_runs(tmp_path / "runs")
+    claims = tmp_path / "claims.yaml"
+    claims.write_text(
+        yaml.safe_dump(
+            {"claims": [_claim("cli-pass", "better(chan, tok)"), _claim("cli-fail", "better(tok, chan)")]}
+        )
+    )
+    args = ["--claims", "--runs", str(runs), "--results", str(tmp_path / "results")]
+    args += ["--claims-file", str(claims), "--model", "tiny", "--resamples", "200"]
+    assert report.main(args) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| id ")]
-    assert len(rows) == len(load_claims(CLAIMS))
-    assert any(r.startswith("| specache-1bit-zero-point | specache |") for r in rows)
-    bad = _write(tmp_path, [{**GOOD, "verdict": "maybe"}])
-    assert report.main(["--claims", "--claims-file", str(bad)]) == 2
+    assert "| cli-pass | semkv |" in out and "reproduced: 1; not reproduced: 1" in out
+    md = (tmp_path / "results" / "claims" / "tiny.md").read_text()
+    assert md.startswith("# Paper claims on tiny") and "| cli-fail |" in md
+    assert (tmp_path / "results" / "claims" / "tiny.csv").exists()
+    # a declaration with a typed verdict is refused with one line naming the claim and field
+    claims.write_text(
+        yaml.safe_dump({"claims": [{**_claim("bad", "better(chan, tok)"), "verdict": "reproduced"}]})
+    )
+    assert report.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        "kvbench.report: error: claim 'x-claim' field 'verdict': 'maybe' is not one of: "
-        "reproduced in direction; not reproduced; not testable here; pending"
-    ]
+    assert len(err) == 1 and "claim 'bad' field 'verdict'" in err[0]

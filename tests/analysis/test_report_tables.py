@@ -59,6 +59,8 @@ def test_config_means(frame):
     assert means.loc["uniform-3b", "n"] == 24 and means.loc["uniform-3b", "seeds"] == 2
     assert means.loc["uniform-3b", "effective_bits"] == 4.0 and means.loc["fp16", "effective_bits"] == 16.0
     assert means.loc["uniform-2b", "runaway_rate"] == 1.0 and means.loc["uniform-4b", "runaway_rate"] == 0.0
+    # relative to the reference: fp16 against itself is 0; no synthetic answer loops
+    assert means.loc["fp16", "runaway_rate"] == 0.0 and (means["degenerate_rate"] == 0.0).all()
     lo, hi = means.loc["uniform-3b", ["ci_low", "ci_high"]]
     assert lo < 20 / 24 < hi and 0 <= lo and hi <= 1
     assert means.loc["uniform-3b", "family"] == "uniform"

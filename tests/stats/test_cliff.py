@@ -3,7 +3,14 @@ import math
 import pandas as pd
 import pytest
 
-from kvbench.stats import is_degenerate, locate_cliff, repeated_coverage, runaway_rate
+from kvbench.stats import (
+    degenerate_rate,
+    is_degenerate,
+    is_runaway,
+    locate_cliff,
+    repeated_coverage,
+    runaway_rate,
+)
 
 GRID = [4.0, 3.0, 2.585, 2.322, 2.0, 1.585, 1.0]
 
@@ -68,15 +75,65 @@ def test_is_degenerate_threshold():
     assert is_degenerate(HALF_LOOP, min_coverage=0.4)
 
 
-def test_runaway_rate_on_hand_rows():
-    rows = [
-        {"prediction": "The needle is 7421.", "stopped": True, "generated_tokens": 9},  # fine
-        {"prediction": "The needle is 7421 and", "stopped": False, "generated_tokens": 64},  # hit limit
-        {"prediction": LOOP, "stopped": True, "generated_tokens": 30},  # stopped, but a loop
-        {"prediction": HALF_LOOP, "stopped": True, "generated_tokens": 40},  # fine
-        {"prediction": "short", "stopped": False, "generated_tokens": 12},  # cut below the limit
+# A healthy NIAH answer as the default model writes it: 23 tokens, cut off by a 24-token limit.
+NIAH_ANSWER = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny"
+LIMIT = 24
+
+
+def _row(sample, prediction, stopped, tokens, seed=0, limit=LIMIT):
+    return {
+        "sample_id": sample,
+        "seed": seed,
+        "prediction": prediction,
+        "stopped": stopped,
+        "generated_tokens": tokens,
+        "max_new_tokens": limit,
+    }
+
+
+def test_reference_cut_off_at_the_limit_is_not_a_runaway():
+    """The old definition counted every limit hit, so FP16 on NIAH scored 0.67-0.78."""
+    fp16 = [_row(f"s{i}", NIAH_ANSWER, False, LIMIT) for i in range(9)]
+    assert not any(is_degenerate(r["prediction"]) for r in fp16)
+    assert runaway_rate(fp16, fp16) == 0.0
+    assert degenerate_rate(fp16) == 0.0
+    # A method that writes the same healthy answer and is cut off the same way: no runaway.
+    method = [_row(f"s{i}", NIAH_ANSWER.replace("sandwich", "burrito"), False, LIMIT) for i in range(9)]
+    assert runaway_rate(method, fp16) == 0.0
+
+
+def test_runaway_on_hand_made_degenerate_and_healthy_outputs():
+    reference = [
+        _row("a", "The needle is 7421.", True, 6, limit=64),
+        _row("b", "The needle is 7421.", True, 6, limit=64),
+        _row("c", "The needle is 7421.", True, 6, limit=64),
+        _row("d", "The needle is 7421 and more text follows here", True, 40, limit=64),
+        _row("e", LOOP, True, 25, limit=64),  # the reference itself loops on this sample
+        _row("f", "The needle is 7421.", True, 6, limit=64),
     ]
-    assert runaway_rate(rows, max_new_tokens=64) == pytest.approx(2 / 5)
-    assert runaway_rate(rows, max_new_tokens=12) == pytest.approx(3 / 5)
-    assert runaway_rate(rows, max_new_tokens=64, min_coverage=0.4) == pytest.approx(3 / 5)
-    assert math.isnan(runaway_rate([], max_new_tokens=64))
+    method = [
+        _row("a", "The needle is 7421.", True, 6, limit=64),  # healthy
+        _row("b", LOOP, True, 25, limit=64),  # loops where the reference did not
+        _row("c", "The needle is 7421, a number that many", False, 64, limit=64),  # overruns 6 -> 64
+        _row("d", "The needle is 7421 and more text follows here and", False, 64, limit=64),  # 40: no room
+        _row("e", LOOP, True, 25, limit=64),  # loops as the reference does: not the method's doing
+        _row("g", LOOP, True, 25, limit=64),  # no reference partner: left out
+    ]
+    assert [is_runaway(m, r) for m, r in zip(method[:5], reference[:5], strict=True)] == [
+        False,
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert runaway_rate(method, reference) == pytest.approx(2 / 5)
+    assert degenerate_rate(method) == pytest.approx(3 / 6)
+    assert degenerate_rate(reference) == pytest.approx(1 / 6)
+    # a stricter overrun rule (room for 10x the reference's answer) drops sample c: 6 * 10 <= 64
+    assert runaway_rate(method, reference, overrun_factor=11) == pytest.approx(1 / 5)
+    # the coverage threshold goes through to is_degenerate
+    half = [_row("a", HALF_LOOP, True, 19, limit=64)]
+    assert runaway_rate(half, reference) == 0.0
+    assert runaway_rate(half, reference, min_coverage=0.4) == 1.0
+    assert math.isnan(runaway_rate(method, []))
+    assert math.isnan(degenerate_rate([]))

@@ -1,0 +1,255 @@
+"""The per-sample archive behind committed results: the sample frame of one experiment, small
+enough for git, from which ``make results`` regenerates every table, figure and claim verdict
+without the run folders (``results/runs/`` is not committed) and without a model.
+
+Layout, one folder per experiment node (runs outside any node go under ``adhoc-<task>``)::
+
+    results/<experiment>/samples.csv.gz   one row per (run, sample): the frame of ``load_frame``
+    results/<experiment>/archive.json     provenance: row and run counts, models, tasks, the runs
+                                          left out and the repeated rows dropped, the csv's sha256
+
+The CSV keeps every column of the frame, typed by a suffix on its header so that reading it back
+gives the same frame (``pandas.testing.assert_frame_equal`` holds, floats bit for bit):
+
+- ``name:float``: Python's shortest round-trip ``repr`` (empty = NaN);
+- ``name:int`` / ``name:bool``: integers and booleans without missing values;
+- ``name:str``: text without missing values, verbatim;
+- ``name:strna``: text with missing values, one JSON string or ``null`` per cell;
+- ``name:json``: anything else (lists, dicts such as ``method_config`` or ``hit_rates``, values
+  mixed with None), one JSON document per cell with sorted keys.
+
+Folder paths are stored relative to the runs root, so an archive does not carry the machine it was
+written on. The gzip stream has no timestamp or file name, so an unchanged frame rewrites the same
+bytes and git sees no change.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvbench.analysis.frame import load_frame
+
+ARCHIVE = "samples.csv.gz"
+MANIFEST = "archive.json"
+FORMAT = 1
+_KINDS = ("float", "int", "bool", "str", "strna", "json")
+
+
+def archive_name(experiment: Any, task: Any) -> str:
+    """The results folder of an experiment's archive; ``adhoc-<task>`` for runs outside a node."""
+    if isinstance(experiment, str) and experiment:
+        return experiment
+    return f"adhoc-{task}"
+
+
+def _relative(path: Any, root: Path) -> Any:
+    if not isinstance(path, str):
+        return path
+    try:
+        return str(Path(path).relative_to(root))
+    except ValueError:
+        return path
+
+
+def normalize(frame: pd.DataFrame, root: str | Path) -> pd.DataFrame:
+    """The frame with its ``folder`` column and its ``superseded`` / ``duplicate_rows`` attributes
+    relative to the runs ``root``: what an archive stores and what the results are built from."""
+    root = Path(root)
+    out = frame.copy()
+    if "folder" in out:
+        out["folder"] = [_relative(f, root) for f in out["folder"]]
+    out.attrs = {
+        "superseded": sorted(_relative(f, root) for f in frame.attrs.get("superseded", [])),
+        "duplicate_rows": {
+            _relative(f, root): int(n) for f, n in sorted(frame.attrs.get("duplicate_rows", {}).items())
+        },
+    }
+    return out
+
+
+def split(frame: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """The frame split by experiment (``archive_name``), each part with a fresh index and only the
+    attributes of its own runs."""
+    if frame.empty:
+        return {}
+    names = [archive_name(e, t) for e, t in zip(frame["experiment"], frame["task"], strict=True)]
+    parts = {}
+    for name, sub in frame.groupby(pd.Series(names, index=frame.index), sort=True):
+        part = sub.reset_index(drop=True)
+        # Keep only the columns this experiment's runs filled (a column another task added is all
+        # missing here), so the archive of one experiment does not depend on which others ran.
+        part = part[[c for c in part.columns if not part[c].isna().all() or c in _ALWAYS]]
+        folders = {str(Path(f).parent) for f in part["folder"]} if "folder" in part else set()
+        part.attrs = {
+            # A superseded run sits beside a kept run of its configuration (the same label folder).
+            "superseded": [f for f in frame.attrs.get("superseded", []) if str(Path(f).parent) in folders],
+            "duplicate_rows": {
+                f: n
+                for f, n in frame.attrs.get("duplicate_rows", {}).items()
+                if f in set(part.get("folder", []))
+            },
+        }
+        parts[name] = part
+    return parts
+
+
+# Identity columns stay even when empty (fp16-only experiments have no bits).
+_ALWAYS = {"run_id", "experiment", "task", "model", "method", "method_name", "bits", "seed", "sample_id"}
+
+
+def _kind(column: pd.Series) -> str:
+    dtype = column.dtype
+    if pd.api.types.is_bool_dtype(dtype):
+        return "bool"
+    if pd.api.types.is_integer_dtype(dtype):
+        return "int"
+    if pd.api.types.is_float_dtype(dtype):
+        return "float"
+    if isinstance(dtype, pd.StringDtype) or all(isinstance(v, str) for v in column):
+        return "str" if column.notna().all() else "strna"
+    return "json"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"cannot archive a value of type {type(value).__name__}")
+
+
+def _encode(value: Any, kind: str) -> str:
+    if kind == "float":
+        value = float(value)
+        return "" if math.isnan(value) else repr(value)
+    if kind in ("int", "bool"):
+        return str(int(value)) if kind == "int" else ("true" if value else "false")
+    if kind == "str":
+        return value
+    if kind == "strna" and not isinstance(value, str):
+        return "null"
+    return json.dumps(value, sort_keys=True, default=_plain)
+
+
+def _decode(cells: list[str], kind: str) -> pd.Series:
+    if kind == "float":
+        return pd.Series([math.nan if c == "" else float(c) for c in cells], dtype="float64")
+    if kind == "int":
+        return pd.Series([int(c) for c in cells], dtype="int64")
+    if kind == "bool":
+        return pd.Series([c == "true" for c in cells], dtype="bool")
+    if kind == "str":
+        # Inferred, as load_frame's DataFrame constructor infers it (pandas' text dtype).
+        return pd.Series(cells)
+    if kind == "strna":
+        return pd.Series([json.loads(c) for c in cells])
+    return pd.Series([json.loads(c) for c in cells], dtype="object")
+
+
+def to_csv_bytes(frame: pd.DataFrame) -> bytes:
+    """The frame as typed CSV text (see the module docstring), UTF-8."""
+    kinds = {c: _kind(frame[c]) for c in frame.columns}
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow([f"{c}:{kinds[c]}" for c in frame.columns])
+    columns = [[_encode(v, kinds[c]) for v in frame[c]] for c in frame.columns]
+    writer.writerows(zip(*columns, strict=True))
+    return buffer.getvalue().encode()
+
+
+def from_csv_bytes(data: bytes) -> pd.DataFrame:
+    """The frame back from ``to_csv_bytes``; ValueError on a header without a known type suffix."""
+    rows = list(csv.reader(io.StringIO(data.decode()), strict=True))
+    if not rows:
+        raise ValueError("empty archive: no header row")
+    header, body = rows[0], rows[1:]
+    names, kinds = [], []
+    for cell in header:
+        name, _, kind = cell.rpartition(":")
+        if kind not in _KINDS or not name:
+            raise ValueError(f"archive column {cell!r}: expected NAME:TYPE with TYPE in {', '.join(_KINDS)}")
+        names.append(name)
+        kinds.append(kind)
+    cells = list(zip(*body, strict=True)) if body else [()] * len(names)
+    data_ = {n: _decode(list(c), k) for n, k, c in zip(names, kinds, cells, strict=True)}
+    return pd.DataFrame(data_, columns=names)
+
+
+def _gzip(data: bytes) -> bytes:
+    buffer = io.BytesIO()
+    # mtime=0 and no file name: the same frame always compresses to the same bytes.
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0, compresslevel=9) as handle:
+        handle.write(data)
+    return buffer.getvalue()
+
+
+def write_archive(frame: pd.DataFrame, folder: str | Path) -> Path:
+    """Write one experiment's frame as ``folder/samples.csv.gz`` with its ``archive.json``;
+    returns the archive path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = _gzip(to_csv_bytes(frame))
+    path = folder / ARCHIVE
+    path.write_bytes(data)
+    manifest = {
+        "format": FORMAT,
+        "rows": len(frame),
+        "runs": int(frame["run_id"].nunique()) if "run_id" in frame else 0,
+        "models": sorted(map(str, frame["model"].dropna().unique())) if "model" in frame else [],
+        "tasks": sorted(map(str, frame["task"].dropna().unique())) if "task" in frame else [],
+        "superseded": list(frame.attrs.get("superseded", [])),
+        "duplicate_rows": dict(frame.attrs.get("duplicate_rows", {})),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": len(data),
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def read_archive(folder: str | Path) -> pd.DataFrame:
+    """One experiment's frame from ``folder/samples.csv.gz``, with the attributes from its
+    ``archive.json``. ValueError when the archive does not match the manifest's checksum."""
+    folder = Path(folder)
+    data = (folder / ARCHIVE).read_bytes()
+    manifest_path = folder / MANIFEST
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    if manifest.get("sha256") not in (None, hashlib.sha256(data).hexdigest()):
+        raise ValueError(f"{folder / ARCHIVE}: checksum differs from {manifest_path}; rewrite the archive")
+    frame = from_csv_bytes(gzip.decompress(data))
+    frame.attrs = {
+        "superseded": list(manifest.get("superseded", [])),
+        "duplicate_rows": dict(manifest.get("duplicate_rows", {})),
+    }
+    return frame
+
+
+def write_archives(runs_root: str | Path, results: str | Path) -> dict[str, Path]:
+    """Every run under ``runs_root`` into one archive per experiment under ``results``; returns
+    ``{experiment: archive path}`` (empty when there are no runs)."""
+    runs_root = Path(runs_root)
+    frame = normalize(load_frame(runs_root), runs_root)
+    return {name: write_archive(part, Path(results) / name) for name, part in split(frame).items()}
+
+
+def load_archives(results: str | Path) -> dict[str, pd.DataFrame]:
+    """``{experiment: frame}`` for every ``results/*/samples.csv.gz``, by folder name."""
+    return {
+        path.parent.name: read_archive(path.parent) for path in sorted(Path(results).glob(f"*/{ARCHIVE}"))
+    }
+
+
+def frames_from_runs(runs_root: str | Path) -> dict[str, pd.DataFrame]:
+    """What ``load_archives`` would return after ``write_archives(runs_root, ...)``, straight from the
+    run folders (the frames the archive stores, before any writing)."""
+    runs_root = Path(runs_root)
+    return split(normalize(load_frame(runs_root), runs_root))

@@ -1,0 +1,194 @@
+import gzip
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from matplotlib import image
+from synthetic_claims import write_claim_runs
+from synthetic_runs import write_runs
+
+from kvbench import report
+from kvbench.analysis.archive import (
+    ARCHIVE,
+    MANIFEST,
+    frames_from_runs,
+    from_csv_bytes,
+    load_archives,
+    read_archive,
+    to_csv_bytes,
+    write_archives,
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    write_runs(root / "cliff")  # experiment synthetic_cliff, with a superseded partial run
+    write_claim_runs(root / "claims")  # experiment semkv_cliff, with dict columns (hit_rates)
+    return root
+
+
+def test_typed_csv_round_trips_awkward_values():
+    frame = pd.DataFrame(
+        {
+            "f": [0.1 + 0.2, math.nan, 1e-300, -0.0],
+            "i": [1, 2, 3, -4],
+            "b": [True, False, True, True],
+            "s": ["a,b", 'quote "x"', "line\nbreak", "ünï"],
+            "maybe": ["x", None, "", "NA"],
+            "j": [{"k": [1, 2]}, None, [0.5], {"0.005": 0.9}],
+            "flag": [True, None, False, True],
+        }
+    )
+    back = from_csv_bytes(to_csv_bytes(frame))
+    pd.testing.assert_frame_equal(back, frame)
+    assert back.loc[0, "f"] == 0.1 + 0.2  # bit for bit, not to 15 digits
+    header = to_csv_bytes(frame).decode().splitlines()[0]
+    assert header == "f:float,i:int,b:bool,s:str,maybe:strna,j:json,flag:json"
+    with pytest.raises(ValueError, match="NAME:TYPE"):
+        from_csv_bytes(b"f,i\n1,2\n")
+
+
+def test_archive_reads_back_the_frame_it_was_written_from(runs, tmp_path):
+    direct = frames_from_runs(runs)
+    assert sorted(direct) == ["semkv_cliff", "synthetic_cliff"]
+    paths = write_archives(runs, tmp_path)
+    loaded = load_archives(tmp_path)
+    assert sorted(loaded) == sorted(direct)
+    for name, frame in direct.items():
+        pd.testing.assert_frame_equal(loaded[name], frame)
+        assert loaded[name].attrs == frame.attrs
+        # folders are stored relative to the runs root
+        assert not any(str(f).startswith("/") for f in frame["folder"])
+    assert len(direct["synthetic_cliff"].attrs["superseded"]) == 1
+    assert direct["semkv_cliff"].attrs["superseded"] == []
+    hit = loaded["semkv_cliff"].dropna(subset=["hit_rates"])["hit_rates"].iloc[0]
+    assert set(hit) == {"exact_topk", "h2o"}
+    # the same frame writes the same bytes (no gzip timestamp), and the manifest says what it holds
+    before = paths["semkv_cliff"].read_bytes()
+    write_archives(runs, tmp_path)
+    assert paths["semkv_cliff"].read_bytes() == before
+    manifest = yaml.safe_load((tmp_path / "semkv_cliff" / MANIFEST).read_text())
+    assert manifest["rows"] == len(direct["semkv_cliff"]) and manifest["models"] == ["tiny"]
+    assert manifest["bytes"] == len(before) < 20_000
+    assert gzip.decompress(before).startswith(b"run_id:str,")
+
+
+def test_a_tampered_archive_is_refused(runs, tmp_path):
+    write_archives(runs, tmp_path)
+    path = tmp_path / "synthetic_cliff" / ARCHIVE
+    path.write_bytes(gzip.compress(gzip.decompress(path.read_bytes()).replace(b"uniform-3b", b"uniform-9b")))
+    with pytest.raises(ValueError, match="checksum"):
+        read_archive(path.parent)
+
+
+def _claims_file(tmp_path):
+    arms = {
+        "chan": {"method": "kivi", "bits": 2, "config": {"key_axis": "channel"}},
+        "fp16": {"method": "fp16"},
+    }
+    uniform = {"uniform": {"method": "uniform"}, "fp16": {"method": "fp16"}}
+    base = {"paper": "semkv", "where": "Table 1", "statement": "s", "published": "p"}
+    claims = [
+        {
+            **base,
+            "id": "c-better",
+            "experiment": "semkv_cliff",
+            "arms": arms,
+            "rule": "not_worse(chan, fp16, margin=0.1)",
+        },
+        {
+            **base,
+            "id": "c-cliff",
+            "experiment": "synthetic_cliff",
+            "arms": uniform,
+            # uniform-3b loses 2 of 24 pairs: equivalent at a 0.2 margin, not at the plan's 0.1
+            "rule": 'cliff_within(uniform, fp16, "(2, 3]", margin=0.2)',
+        },
+        {**base, "id": "c-missing", "experiment": "kivi_gsm8k", "arms": arms, "rule": "better(chan, fp16)"},
+    ]
+    path = tmp_path / "claims.yaml"
+    path.write_text(yaml.safe_dump({"claims": claims}))
+    return path
+
+
+def _outputs(folder):
+    return {
+        p.relative_to(folder): p
+        for p in folder.rglob("*")
+        if p.is_file() and p.name not in (ARCHIVE, MANIFEST, "claims.yaml")
+    }
+
+
+def test_results_from_the_archive_match_results_from_the_runs(runs, tmp_path):
+    """What `make results` rebuilds from the archives is what the run folders give directly:
+    markdown and CSV byte for byte, figures pixel for pixel."""
+    claims = _claims_file(tmp_path)
+    kwargs = {"claims_file": claims, "n_resamples": 200, "conf_dir": None, "say": lambda *_: None}
+    direct = tmp_path / "direct"
+    report.regenerate(frames_from_runs(runs), direct, **kwargs)
+    archived = tmp_path / "archived"
+    write_archives(runs, archived)
+    report.regenerate(load_archives(archived), archived, **kwargs)
+
+    a, b = _outputs(direct), _outputs(archived)
+    assert sorted(a) == sorted(b)
+    texts = [k for k in a if k.suffix in (".md", ".csv")]
+    pngs = [k for k in a if k.suffix == ".png"]
+    assert len(texts) >= 10 and len(pngs) >= 4
+    for key in texts:
+        assert a[key].read_bytes() == b[key].read_bytes(), key
+    for key in pngs:
+        pa, pb = image.imread(a[key]), image.imread(b[key])
+        assert pa.shape == pb.shape and np.abs(pa - pb).max() <= 1 / 255, key
+    verdicts = pd.read_csv(direct / "claims" / "tiny.csv").set_index("id")["verdict"]
+    assert verdicts.to_dict() == {"c-better": "reproduced", "c-cliff": "reproduced", "c-missing": "not run"}
+    # the default model has a table too, every claim "not run" there
+    default = pd.read_csv(direct / "claims" / "smollm2-135m.csv")
+    assert set(default["verdict"]) == {"not run"}
+    assert (direct / "synthetic_cliff" / "report.md").read_text().startswith("# Report: `synthetic_cliff`")
+    # the paper page puts each claim's published value beside the measured one, then the node's rows
+    page = (direct / "papers" / "semkv_tiny.md").read_text()
+    assert "| c-better | Table 1 | p | chan - fp16 = " in page and "| reproduced |" in page
+    assert "## semkv_cliff" in page and "| ott-2b | 24 |" in page
+    assert "No runs on tiny yet: `python -m kvbench -m +experiment=kivi_gsm8k`" in page
+
+
+def test_cli_archive_then_regenerate(runs, tmp_path, capsys):
+    results = tmp_path / "results"
+    assert report.main(["--archive", str(runs), "--results", str(results)]) == 0
+    assert "samples.csv.gz" in capsys.readouterr().out
+    claims = _claims_file(tmp_path)
+    # claims on synthetic experiments: the node check would refuse synthetic_cliff, so the
+    # regenerate path is driven through the function with conf_dir=None in the test above; here the
+    # command must fail with one line naming the missing node.
+    code = report.main(
+        ["--regenerate", "--results", str(results), "--claims-file", str(claims), "--resamples", "50"]
+    )
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no node conf/experiment/synthetic_cliff.yaml" in err[0]
+    assert report.main(["--archive", str(tmp_path / "nope")]) == 2
+
+
+def test_committed_results_regenerate_from_the_committed_archives(tmp_path):
+    """`make results` on a fresh checkout rewrites the committed outputs byte for byte (figures:
+    pixel for pixel): each experiment with an archive, and the claim verdicts."""
+    repo_results = Path(__file__).resolve().parents[2] / "results"
+    frames = load_archives(repo_results)
+    out = tmp_path / "results"
+    written = report.regenerate(frames, out, repo_results / "claims.yaml", say=lambda *_: None)
+    assert any(p.parent.name == "claims" for p in written)
+    regenerated = _outputs(out)
+    assert regenerated
+    for key, path in regenerated.items():
+        committed = repo_results / key
+        assert committed.exists(), f"results/{key} is not committed; run make results"
+        if key.suffix == ".png":
+            assert image.imread(committed).shape == image.imread(path).shape, key
+            assert np.abs(image.imread(committed) - image.imread(path)).max() <= 1 / 255, key
+        else:
+            assert committed.read_bytes() == path.read_bytes(), f"results/{key} differs; run make results"
