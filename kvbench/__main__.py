@@ -141,7 +141,7 @@ def check_argv(argv: list[str]) -> None:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict:
     from kvbench.run import execute, format_table, summary_line
 
     try:
@@ -149,8 +149,10 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"kvbench: error: {err}", file=sys.stderr)
         sys.exit(2)
-    print(format_table([summary_line(metrics)]))
+    row = summary_line(metrics)
+    print(format_table([row]))
     print(f"results: {metrics['folder']}")
+    return {**row, "folder": metrics["folder"]}  # a submitit launcher's sweep summary is made of these
 
 
 if __name__ == "__main__":
@@ -159,4 +161,7 @@ if __name__ == "__main__":
     except ConfigError as err:
         print(f"kvbench: error: {err}", file=sys.stderr)
         sys.exit(2)
+    from kvbench.launchers import register
+
+    register()  # hydra/launcher=submitit_* report a sweep on this terminal (kvbench/launchers.py)
     main()

@@ -34,7 +34,8 @@ def canonical_json(obj: Any) -> str:
 
 
 def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
-    """What the run id hashes: the resolved config minus paths, loggers and the analysis plan.
+    """What the run id hashes: the resolved config minus paths, loggers, the analysis plan and the
+    model's scheduler ``resources``.
 
     The top-level ``bits`` reaches a method only through its node (``bits: ${bits}``, or a knob
     such as ReadKV's ``read_bits: ${bits}``), and the config is resolved before hashing, so every
@@ -43,6 +44,9 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
     ``fp16`` inside a bit-width sweep is one run, not one per bit width.
     """
     core = {k: v for k, v in config.items() if k not in NON_RUN_KEYS}
+    if isinstance(core.get("model"), dict) and "resources" in core["model"]:
+        # What a scheduler is asked for changes no sample; runs made before the key existed keep their id.
+        core["model"] = {k: v for k, v in core["model"].items() if k != "resources"}
     method = core.get("method") or {"name": "fp16"}
     if "bits" not in method:
         core.pop("bits", None)
