@@ -58,8 +58,10 @@ SLURM_ACTIVE = {
     "PREEMPTED",
     "RESV_DEL_HOLD",
 }
-# A job that has ended may still be writing its result to a slow shared file system.
-RESULT_GRACE_S = 15.0
+# A job that ended COMPLETED has written its result, which a slow shared file system may show late;
+# one that was cancelled or failed is given a moment only.
+RESULT_GRACE_S = {"COMPLETED": 15.0}
+OTHER_GRACE_S = 2.0
 
 
 class PointError(Exception):
@@ -101,6 +103,7 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
         job_id: str,
         singleton_state: dict[type, Singleton],
     ) -> JobReturn:
+        self._limit_threads()
         try:
             ret = super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
         except SystemExit as stop:
@@ -124,6 +127,16 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
             # Sent back instead of the exception itself, which need not survive pickling.
             ret.return_value = error
         return ret
+
+    def _limit_threads(self) -> None:
+        # Where the scheduler does not pin a job to its CPUs, torch would start one thread per core
+        # of the node, and points sharing a node would fight over every core.
+        cpus = self.params.get("cpus_per_task")
+        if isinstance(cpus, int) and cpus > 0:
+            import torch
+
+            if torch.get_num_threads() > cpus:
+                torch.set_num_threads(cpus)
 
     # -- on the submitting side ---------------------------------------------------------------------
 
@@ -198,7 +211,8 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
                         outcome = Outcome(None, "FAILED", PointError(_last_line(value), user_error=False))
                 elif states.get(job.job_id) is not None:
                     ended_at.setdefault(k, time.monotonic())
-                    if time.monotonic() - ended_at[k] > RESULT_GRACE_S:
+                    grace = RESULT_GRACE_S.get(str(states[job.job_id]), OTHER_GRACE_S)
+                    if time.monotonic() - ended_at[k] > grace:
                         state = states[job.job_id]
                         outcome = Outcome(None, state, PointError(f"ended by the scheduler ({state})", False))
                 if outcome is None:

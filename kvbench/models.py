@@ -91,7 +91,9 @@ class ModelConfig:
         allowed = ("gpus", "cpus", "mem_gb")
         for key, value in (self.resources or {}).items():
             if key not in allowed:
-                raise ConfigError(f"model.resources.{key}", value, f"unknown key; allowed: {', '.join(allowed)}")
+                raise ConfigError(
+                    f"model.resources.{key}", value, f"unknown key; allowed: {', '.join(allowed)}"
+                )
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"model.resources.{key}", value, "a non-negative integer")
 
