@@ -180,7 +180,19 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
             f"{len(jobs)} points submitted ({self._EXECUTOR}, job {jobs[0].job_id.split('_')[0]}); "
             f"sweep folder {sweep_dir}"
         )
-        outcomes = self._wait(jobs, indices, labels)
+        try:
+            outcomes = self._wait(jobs, indices, labels)
+        except KeyboardInterrupt:
+            # A traceback would say nothing useful: say what goes on and how to pick the sweep up.
+            where = ""
+            if self._EXECUTOR == "slurm":
+                ids = ",".join(sorted({job.job_id.split("_")[0] for job in jobs}))
+                where = f" Slurm job {ids} goes on (scancel {ids} stops it);"
+            print(
+                f"kvbench: interrupted;{where} the same command again skips every finished sample",
+                file=sys.stderr,
+            )
+            sys.exit(130)
         self._report(outcomes, indices, labels)
         failed = [o.error for o in outcomes if o.error is not None]
         if failed:
@@ -324,9 +336,17 @@ def register() -> None:
     Hydra's plugin scan executes the plugin's config module again and stores the plugin's own nodes
     under those names, so the scan is run first and the entries are replaced after it.
     """
+    import importlib.util
+
     from hydra.core.config_store import ConfigStore
     from hydra.core.plugins import Plugins
 
+    if importlib.util.find_spec(PLUGIN_MODULE) is None:
+        # An install made before the plugin package existed: keep the plugin's own launchers.
+        log.warning(
+            f"{PLUGIN_MODULE} is not installed (pip install -e . again); submitit sweeps report as before"
+        )
+        return
     Plugins.instance()
     store = ConfigStore.instance()
     store.store(group="hydra/launcher", name="submitit_local", node=_LocalConf(), provider="kvbench")
