@@ -235,7 +235,7 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
                 outcomes[k] = outcome
             if len(outcomes) < len(jobs):
                 # Every second at first, then less often: a long sweep should not hammer the scheduler.
-                time.sleep(min(30.0, 1.0 + (time.monotonic() - started) / 20))
+                time.sleep(min(30.0, 1.0 + (time.monotonic() - started) / 60))
         return [outcomes[k] for k in range(len(jobs))]
 
     def _states(self, jobs: list[Any]) -> dict[str, str | None]:
@@ -243,7 +243,7 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
         raise NotImplementedError
 
     def _report(self, outcomes: list[Outcome], indices: list[int], labels: list[str]) -> None:
-        from kvbench.run import format_table
+        from kvbench.results import format_table
 
         rows = []
         for index, label, outcome in zip(indices, labels, outcomes, strict=True):

@@ -202,3 +202,20 @@ def analysis_plan(node: Any) -> AnalysisPlan:
     from kvbench.config import build_config
 
     return build_config(AnalysisPlan, node, "analysis")
+
+
+def format_table(lines: list[dict[str, Any]]) -> str:
+    if not lines:
+        return ""
+    cols = list(dict.fromkeys(k for line in lines for k in line))
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    cells = [[fmt(line.get(c)) for c in cols] for line in lines]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(out)

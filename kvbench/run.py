@@ -21,7 +21,9 @@ import kvbench
 from kvbench.config import build_config, check_choice, to_plain
 from kvbench.data import resolve_data_root
 from kvbench.methods import build_method
-from kvbench.results import RunFolder, run_id
+
+# format_table lives with the results so that a sweep's driver can print a table without importing torch.
+from kvbench.results import RunFolder, format_table, run_id  # noqa: F401
 from kvbench.tasks import build_task
 
 
@@ -218,20 +220,3 @@ def summary_line(metrics: dict[str, Any]) -> dict[str, Any]:
         "x_vs_fp16": mem.get("compression"),
         "time_s": metrics["timings"]["run_s"],
     }
-
-
-def format_table(lines: list[dict[str, Any]]) -> str:
-    if not lines:
-        return ""
-    cols = list(dict.fromkeys(k for line in lines for k in line))
-
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return "-" if v is None else str(v)
-
-    cells = [[fmt(line.get(c)) for c in cols] for line in lines]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
-    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
-    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
-    return "\n".join(out)

@@ -129,7 +129,7 @@ start_daemon() {  # start_daemon NAME ARGS...: a slurm daemon in the foreground 
 }
 
 cluster_up() {
-    sinfo -h -p "$PARTITION" -o '%T' 2>/dev/null | grep -Eq '^(idle|mixed|allocated)'
+    sinfo -h -p "$PARTITION" -o '%T' 2>/dev/null | grep -Eq '^(idle|mixed|allocated|completing)'
 }
 
 start() {
