@@ -32,16 +32,16 @@ install_packages() {
     [[ $(id -u) == 0 ]] || { say "slurm-wlm and munge are missing and installing them needs root"; exit 1; }
     say "installing slurm-wlm and munge with apt-get"
     export DEBIAN_FRONTEND=noninteractive
-    # The packages' init scripts must not try to start services: we start the daemons ourselves.
-    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d.kvbench
-    chmod +x /usr/sbin/policy-rc.d.kvbench
-    local had_policy=0
-    [[ -e /usr/sbin/policy-rc.d ]] && had_policy=1
-    [[ $had_policy == 1 ]] || cp /usr/sbin/policy-rc.d.kvbench /usr/sbin/policy-rc.d
+    # The packages' init scripts must not start the services: this script starts the daemons itself.
+    local policy=/usr/sbin/policy-rc.d ours=0
+    if [[ ! -e $policy ]]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy"
+        chmod +x "$policy"
+        ours=1
+    fi
     apt-get update -qq >/dev/null || true
     apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null
-    [[ $had_policy == 1 ]] || rm -f /usr/sbin/policy-rc.d
-    rm -f /usr/sbin/policy-rc.d.kvbench
+    [[ $ours == 0 ]] || rm -f "$policy"
 }
 
 write_conf() {
