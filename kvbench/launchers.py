@@ -112,6 +112,9 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
             cause = stop.__context__
             if isinstance(cause, ConfigError):
                 error = PointError(str(cause), user_error=True)
+            elif stop.code == 2:
+                # Exit status 2 is a user error whose one line went to the log; the driver reads it there.
+                error = PointError("", user_error=True)
             else:
                 error = PointError(f"exited with status {stop.code}", user_error=False)
             return JobReturn(overrides=sweep_overrides, status=JobStatus.FAILED, _return_value=error)
@@ -231,6 +234,8 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
                     continue
                 if outcome.error is not None:
                     outcome.log_file = str(job.paths.stderr)
+                    if not outcome.error.message:
+                        outcome.error.message = _user_error_in(job.paths.stderr)
                     print(_failure_line(indices[k], labels[k], outcome), file=sys.stderr, flush=True)
                 outcomes[k] = outcome
             if len(outcomes) < len(jobs):
@@ -255,6 +260,17 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
             row["log"] = outcome.log_file
             rows.append(row)
         print(format_table(rows), flush=True)
+
+
+def _user_error_in(log_file: Path) -> str:
+    """The last ``kvbench: error:`` line of a job's log, without its prefix."""
+    prefix = "kvbench: error: "
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    found = [line[len(prefix) :] for line in lines if line.startswith(prefix)]
+    return found[-1] if found else "exited with status 2 (a user error; see the log)"
 
 
 def _failure_line(index: int, label: str, outcome: Outcome) -> str:

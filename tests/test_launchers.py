@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import pickle
 import stat
+import sys
 from types import SimpleNamespace
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.utils import JobReturn, JobStatus
 
 from kvbench.__main__ import CONF_DIR
 from kvbench.errors import ConfigError
-from kvbench.launchers import PointError, SlurmSweepLauncher, _point_labels, register
+from kvbench.launchers import (
+    LocalSweepLauncher,
+    PointError,
+    SlurmSweepLauncher,
+    _point_labels,
+    _SweepLauncher,
+    _user_error_in,
+    register,
+)
 from kvbench.models import ModelConfig, model_node
 from kvbench.results import run_id
 
@@ -112,3 +122,46 @@ def test_slurm_states_come_from_squeue(tmp_path, monkeypatch):
     # No squeue at all: nothing is declared ended, the launcher keeps waiting for results.
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert SlurmSweepLauncher()._states(jobs) == {}
+
+
+# The plugin's launcher that kvbench's extends (Hydra's plugin scan re-executes the plugin's module,
+# so the module's name may point at a newer copy of the class).
+PLUGIN_LAUNCHER = _SweepLauncher.__bases__[0]
+
+
+def exits_on_a_user_error(self, *args):
+    # What kvbench's entry does with a ConfigError: print it, exit 2 from inside the handler.
+    try:
+        raise ConfigError("bits", 9.0, "allowed values are ...")
+    except ConfigError as err:
+        print(f"kvbench: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def test_a_point_that_exits_on_a_user_error_comes_back_as_its_line(monkeypatch):
+    monkeypatch.setattr(PLUGIN_LAUNCHER, "__call__", exits_on_a_user_error)
+    ret = LocalSweepLauncher()(["bits=9"], "hydra.sweep.dir", 0, "job_id_for_0", {})
+    assert ret.status == JobStatus.FAILED
+    error = pickle.loads(pickle.dumps(ret._return_value))
+    assert (str(error), error.user_error) == ("bits=9.0: allowed values are ...", True)
+
+
+def test_a_point_that_crashes_comes_back_as_its_last_line_with_the_traceback_in_the_log(monkeypatch, capsys):
+    def crashes(self, *args):
+        try:
+            raise RuntimeError("out of memory")
+        except RuntimeError as err:
+            return JobReturn(overrides=["bits=2"], status=JobStatus.FAILED, _return_value=err)
+
+    monkeypatch.setattr(PLUGIN_LAUNCHER, "__call__", crashes)
+    ret = LocalSweepLauncher()(["bits=2"], "hydra.sweep.dir", 0, "job_id_for_0", {})
+    error = pickle.loads(pickle.dumps(ret._return_value))
+    assert (str(error), error.user_error) == ("RuntimeError: out of memory", False)
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_a_user_error_without_its_exception_is_read_from_the_log(tmp_path):
+    log = tmp_path / "1_0_log.err"
+    log.write_text("Loading weights\nkvbench: error: seed=-1: a non-negative integer\n")
+    assert _user_error_in(log) == "seed=-1: a non-negative integer"
+    assert _user_error_in(tmp_path / "missing.err").startswith("exited with status 2")
