@@ -223,13 +223,16 @@ def test_scancel_mid_sweep_then_the_same_command_resumes(slurm_cluster, tmp_path
     assert driver.returncode == 1, err[-3000:]
     cancelled = [line for line in err.splitlines() if line.startswith("kvbench: point #")]
     assert cancelled and all(" CANCELLED: " in line for line in cancelled), err
+    # Slurm may still be killing the jobs (KillWait): rows seen now are a lower bound of what the
+    # second command finds.
     before = {key: rows(folder) for key, folder in run_folders(tmp_path).items()}
-    done_before = sum(len(r) for r in before.values())
-    assert 1 <= done_before < 2 * len(DEPTHS), before  # cancelled mid-sweep: some samples finished, not all
+    assert sum(len(r) for r in before.values()) >= 1
 
     again = run(args, tmp_path)
     cancel_all(tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert sorted(k.split("/")[0] for k in run_folders(tmp_path)) == ["kivi-2b", "kivi-4b"]
+    recomputed = 0
     for key, folder in run_folders(tmp_path).items():
         after = rows(folder)
         # Every sample finished before the cancel is kept as it was, none is redone or doubled.
@@ -237,8 +240,10 @@ def test_scancel_mid_sweep_then_the_same_command_resumes(slurm_cluster, tmp_path
         ids = [json.loads(r)["sample_id"] for r in after]
         assert len(ids) == len(set(ids)) == len(DEPTHS)
         timings = json.loads((folder / "metrics.json").read_text())["timings"]
-        assert timings["samples_resumed"] == len(before.get(key, []))
-        assert timings["samples_run"] == len(DEPTHS) - len(before.get(key, []))
+        assert timings["samples_resumed"] >= len(before.get(key, []))
+        assert timings["samples_resumed"] + timings["samples_run"] == len(DEPTHS)
+        recomputed += timings["samples_run"]
+    assert recomputed >= 1  # the cancel came mid-sweep: the second command had work left
 
 
 def test_requeued_job_resumes_from_its_samples(slurm_cluster, tmp_path):
@@ -257,7 +262,7 @@ def test_requeued_job_resumes_from_its_samples(slurm_cluster, tmp_path):
         wait_for(
             lambda: dict(squeue(task)).get(task) == "PENDING", "the requeued job to wait", driver, tmp_path
         )
-        before = rows(folder)  # the first run is over: its rows are final
+        before = rows(folder)  # a lower bound: the first run may still be dying (KillWait)
         # Slurm holds a requeued job back for a while; release it now rather than wait.
         subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], check=True)
         driver.wait(timeout=240)
@@ -269,10 +274,14 @@ def test_requeued_job_resumes_from_its_samples(slurm_cluster, tmp_path):
     info = subprocess.run(["scontrol", "show", "job", task], capture_output=True, text=True).stdout
     assert "Restarts=1" in info, info
     after = rows(folder)
-    assert 1 <= len(before) < len(DEPTHS)
+    assert len(before) >= 1
     assert after[: len(before)] == before
     ids = [json.loads(r)["sample_id"] for r in after]
     assert len(ids) == len(set(ids)) == len(DEPTHS)
+    # The restarted job began from its samples: it kept at least those seen before the requeue
+    # and computed only the rest.
     timings = json.loads((folder / "metrics.json").read_text())["timings"]
-    assert (timings["samples_resumed"], timings["samples_run"]) == (len(before), len(DEPTHS) - len(before))
+    assert timings["samples_resumed"] >= len(before)
+    assert timings["samples_run"] >= 1
+    assert timings["samples_resumed"] + timings["samples_run"] == len(DEPTHS)
     assert "COMPLETED" in (tmp_path / "driver.out").read_text()
