@@ -16,6 +16,7 @@ import pytest
 SKIPPED: list[str] = []
 # Node states that take jobs (a node still cleaning up after a cancelled job is `completing`).
 USABLE = {"idle", "mixed", "allocated", "completing"}
+NOT_READY = "no usable node in the default partition"
 
 
 def _cluster() -> tuple[str | None, str]:
@@ -38,7 +39,7 @@ def _cluster() -> tuple[str | None, str]:
         partition, _, state = line.partition("|")
         if partition.endswith("*") and state.rstrip("*~#!%$@^-") in USABLE:
             return partition.rstrip("*"), ""
-    return None, f"no usable node in the default partition: `sinfo` says {out.stdout.strip()!r}"
+    return None, f"{NOT_READY}: `sinfo` says {out.stdout.strip()!r}"
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +47,7 @@ def slurm_cluster() -> str:
     """The default partition's name; skips the test where no Slurm cluster answers."""
     partition, why = _cluster()
     for _ in range(10):  # a node finishing a job of the previous test is back within seconds
-        if partition is not None or why.startswith("no `sinfo`"):
+        if partition is not None or not why.startswith(NOT_READY):
             break
         time.sleep(1)
         partition, why = _cluster()
