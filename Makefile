@@ -38,17 +38,17 @@ demo: assets
 
 test: export KVBENCH_DATA_DIR :=
 test: assets
-	$(PY) -m ruff check kvbench tests scripts
-	$(PY) -m ruff format --check kvbench tests scripts
+	$(PY) -m ruff check kvbench tests scripts hydra_plugins
+	$(PY) -m ruff format --check kvbench tests scripts hydra_plugins
 	$(PY) -m pytest -q
 
 lint: setup
-	$(PY) -m ruff check kvbench tests scripts
-	$(PY) -m ruff format --check kvbench tests scripts
+	$(PY) -m ruff check kvbench tests scripts hydra_plugins
+	$(PY) -m ruff format --check kvbench tests scripts hydra_plugins
 
 format: setup
-	$(PY) -m ruff format kvbench tests scripts
-	$(PY) -m ruff check --fix kvbench tests scripts
+	$(PY) -m ruff format kvbench tests scripts hydra_plugins
+	$(PY) -m ruff check --fix kvbench tests scripts hydra_plugins
 
 figures: setup
 	$(PY) scripts/make_figures.py

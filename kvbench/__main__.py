@@ -332,11 +332,14 @@ def cli(argv: list[str]) -> None:
         print(f"kvbench: error: {err}", file=sys.stderr)
         sys.exit(2)
     sys.argv = [sys.argv[0], *argv]
+    from kvbench.launchers import register
+
+    register()  # hydra/launcher=submitit_* report a sweep on this terminal (kvbench/launchers.py)
     main()
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict:
     from kvbench.run import execute, format_table, summary_line
 
     try:
@@ -344,8 +347,10 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"kvbench: error: {err}", file=sys.stderr)
         sys.exit(2)
-    print(format_table([summary_line(metrics)]))
+    row = summary_line(metrics)
+    print(format_table([row]))
     print(f"results: {metrics['folder']}")
+    return {**row, "folder": metrics["folder"]}  # a submitit launcher's sweep summary is made of these
 
 
 if __name__ == "__main__":

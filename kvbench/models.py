@@ -56,7 +56,8 @@ class ModelConfig:
     Exactly one weights source: ``path`` (a local Hugging Face folder), ``gguf_package`` + ``gguf_file``
     (a GGUF inside an installed Python package), or ``hub_id``. ``path`` wins over the others when set,
     so ``model.path=/local/copy`` works on top of any node. ``reference_hub_id`` is documentation only:
-    where the original (unquantized) weights live.
+    where the original (unquantized) weights live. ``resources`` (``gpus``, ``cpus``, ``mem_gb``) is what
+    one run asks a Slurm launcher for; it changes no result, so the run id leaves it out.
     """
 
     name: str
@@ -69,6 +70,7 @@ class ModelConfig:
     weights_note: str = ""
     revision: str | None = None
     reference_hub_id: str | None = None
+    resources: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -83,7 +85,18 @@ class ModelConfig:
             raise ConfigError(
                 "model.max_context", self.max_context, "a positive integer, or null for the model's own"
             )
+        self._check_resources()
         self._check_source()
+
+    def _check_resources(self) -> None:
+        allowed = ("gpus", "cpus", "mem_gb")
+        for key, value in (self.resources or {}).items():
+            if key not in allowed:
+                raise ConfigError(
+                    f"model.resources.{key}", value, f"unknown key; allowed: {', '.join(allowed)}"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"model.resources.{key}", value, "a non-negative integer")
 
     def _check_source(self) -> None:
         """Exactly one weights source, unless ``path`` overrides whatever the node names."""

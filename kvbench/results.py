@@ -36,7 +36,8 @@ def canonical_json(obj: Any) -> str:
 
 
 def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
-    """What the run id hashes: the resolved config minus paths, loggers and the analysis plan.
+    """What the run id hashes: the resolved config minus paths, loggers, the analysis plan and the
+    model's scheduler ``resources``.
 
     The top-level ``bits`` reaches a method only through its node (``bits: ${bits}``, or a knob
     such as ReadKV's ``read_bits: ${bits}``), and the config is resolved before hashing, so every
@@ -45,6 +46,9 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
     ``fp16`` inside a bit-width sweep is one run, not one per bit width.
     """
     core = {k: v for k, v in config.items() if k not in NON_RUN_KEYS}
+    if isinstance(core.get("model"), dict) and "resources" in core["model"]:
+        # What a scheduler is asked for changes no sample; runs made before the key existed keep their id.
+        core["model"] = {k: v for k, v in core["model"].items() if k != "resources"}
     method = core.get("method") or {"name": "fp16"}
     if "bits" not in method:
         core.pop("bits", None)
@@ -256,3 +260,20 @@ def analysis_plan(node: Any) -> AnalysisPlan:
     from kvbench.config import build_config
 
     return build_config(AnalysisPlan, node, "analysis")
+
+
+def format_table(lines: list[dict[str, Any]]) -> str:
+    if not lines:
+        return ""
+    cols = list(dict.fromkeys(k for line in lines for k in line))
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    cells = [[fmt(line.get(c)) for c in cols] for line in lines]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(out)

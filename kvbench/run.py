@@ -27,7 +27,9 @@ from kvbench.config import build_config, check_choice, is_int, is_number, requir
 from kvbench.data import resolve_data_root
 from kvbench.errors import ConfigError
 from kvbench.methods import Method, build_method
-from kvbench.results import RunFolder, analysis_plan, canonical_json, run_id
+
+# format_table lives with the results so that a sweep's driver can print a table without importing torch.
+from kvbench.results import RunFolder, analysis_plan, canonical_json, format_table, run_id  # noqa: F401
 from kvbench.tasks import Task, build_task
 
 # Top-level keys other than RunConfig's own: nodes validated by their own dataclasses.
@@ -368,20 +370,3 @@ def summary_line(metrics: dict[str, Any]) -> dict[str, Any]:
         # a self-defeating setting is named in the table itself, where a sweep's reader looks
         **({"notes": ", ".join(metrics["warnings"])} if metrics.get("warnings") else {}),
     }
-
-
-def format_table(lines: list[dict[str, Any]]) -> str:
-    if not lines:
-        return ""
-    cols = list(dict.fromkeys(k for line in lines for k in line))
-
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return "-" if v is None else str(v)
-
-    cells = [[fmt(line.get(c)) for c in cols] for line in lines]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
-    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
-    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
-    return "\n".join(out)

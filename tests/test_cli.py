@@ -79,20 +79,31 @@ def test_multirun_sweep_writes_one_folder_per_point(tmp_path):
     assert proc.stdout.count("eff_bits") == 4  # each job prints its summary table
 
 
-def test_submitit_local_sweep_runs_each_point(tmp_path):
+def test_submitit_local_sweep_reports_every_point_on_the_terminal(tmp_path):
     proc = run_cli(
         "-m",
         "hydra/launcher=submitit_local",
         "+method=uniform",
-        "bits=2,4",
+        "bits=2,9",
         "task.context_lengths=[300]",
         "task.depths=[50]",
         "task.max_new_tokens=2",
         f"output.root={tmp_path}",
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    # The bad point is one line naming its log; the good one still runs; exit 2 (a user error).
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "UncompletedJobError" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("kvbench:")]
+    assert line.startswith("kvbench: error: point #1 (bits=9): bits=9.0: allowed values are log2(L)")
+    log = line.rpartition("[log: ")[2].rstrip("]")
+    assert "kvbench: error: bits=9.0" in open(log).read()
     folders = sorted(p.parent.parent.name for p in tmp_path.glob("niah/smollm2-135m/*/*/metrics.json"))
-    assert folders == ["uniform-2b", "uniform-4b"]
+    assert folders == ["uniform-2b"]
+    # The summary table of both points, on the sweep's own stdout.
+    table = {row.split()[0]: row for row in proc.stdout.splitlines() if row[:1].isdigit()}
+    assert sorted(table) == ["0", "1"]
+    assert "uniform-2b" in table["0"] and table["0"].split()[-2:] == ["COMPLETED", "-"]
+    assert table["1"].split()[-2:] == ["FAILED", log]
 
 
 def test_slurm_launcher_node_composes(tmp_path):

@@ -1,0 +1,369 @@
+"""Submitit launchers that see a whole sweep through and report it on the sweep's own terminal.
+
+hydra-submitit-launcher waits on the points of a sweep one after another and re-raises the first
+failure, so one bad point ends the wait with a submitit traceback in which kvbench's one-line error
+is buried, and the points' summary tables stay in their job logs. With Slurm accounting off (common
+on small clusters) its status polls also log a ``sacct`` warning every few seconds.
+
+The launchers here keep the plugin's configuration (every ``hydra.launcher.*`` knob) and its
+submission, and change what happens around a point:
+
+- in the job, a failed point is caught and returned as a short message (a kvbench user error as
+  its one line, anything else as its last traceback line, the full traceback going to the job log);
+- on the submitting side, the launcher waits for every point, prints one line per failed point as
+  it fails (naming its log file), then the summary table of all points, and exits 2 when every
+  failure was a user error, 1 otherwise;
+- Slurm job states come from ``squeue``, which needs no accounting, so no ``sacct`` is called.
+
+:func:`register` puts them under the plugin's own names (``hydra/launcher=submitit_local`` and
+``submitit_slurm``; ``conf/hydra/launcher/slurm*.yaml`` build on the latter).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
+
+from kvbench.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Slurm states in which a job may still write its result (a requeued or preempted job runs again).
+SLURM_ACTIVE = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "STOPPED",
+    "SUSPENDED",
+    "PREEMPTED",
+    "RESV_DEL_HOLD",
+}
+# A job that ended COMPLETED has written its result, which a slow shared file system may show late;
+# one that was cancelled or failed is given a moment only.
+RESULT_GRACE_S = {"COMPLETED": 15.0}
+OTHER_GRACE_S = 2.0
+
+
+class PointError(Exception):
+    """A failed sweep point, as the job reports it: one line, and whether it is a user error."""
+
+    def __init__(self, message: str, user_error: bool):
+        super().__init__(message, user_error)
+        self.message, self.user_error = message, user_error
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass
+class Outcome:
+    """How one point ended, as seen from the submitting side."""
+
+    job_return: JobReturn | None
+    state: str
+    error: PointError | None = None
+    log_file: str | None = None
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no message"
+
+
+class _SweepLauncher(plugin.BaseSubmititLauncher):
+    """Shared by the local and the Slurm launcher; subclasses say how a job's state is read."""
+
+    # -- in the job ---------------------------------------------------------------------------------
+
+    def __call__(
+        self,
+        sweep_overrides: list[str],
+        job_dir_key: str,
+        job_num: int,
+        job_id: str,
+        singleton_state: dict[type, Singleton],
+    ) -> JobReturn:
+        self._limit_threads()
+        try:
+            ret = super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
+        except SystemExit as stop:
+            # kvbench's entry prints a user error as one line and exits 2 from inside the handler,
+            # so the ConfigError it handled is the exit's context.
+            cause = stop.__context__
+            if isinstance(cause, ConfigError):
+                error = PointError(str(cause), user_error=True)
+            elif stop.code == 2:
+                # Exit status 2 is a user error whose one line went to the log; the driver reads it there.
+                error = PointError("", user_error=True)
+            else:
+                error = PointError(f"exited with status {stop.code}", user_error=False)
+            return JobReturn(overrides=sweep_overrides, status=JobStatus.FAILED, _return_value=error)
+        if ret.status == JobStatus.FAILED:
+            exc = ret._return_value
+            if isinstance(exc, ConfigError):
+                print(f"kvbench: error: {exc}", file=sys.stderr)
+                error = PointError(str(exc), user_error=True)
+            else:
+                # Hydra keeps the exception but prints nothing: the job log gets the traceback.
+                traceback.print_exception(exc, file=sys.stderr)
+                error = PointError(f"{type(exc).__name__}: {exc}", user_error=False)
+            # Sent back instead of the exception itself, which need not survive pickling.
+            ret.return_value = error
+        return ret
+
+    def _limit_threads(self) -> None:
+        # Where the scheduler does not pin a job to its CPUs, torch would start one thread per core
+        # of the node, and points sharing a node would fight over every core.
+        cpus = self.params.get("cpus_per_task")
+        if isinstance(cpus, int) and cpus > 0:
+            import torch
+
+            if torch.get_num_threads() > cpus:
+                torch.set_num_threads(cpus)
+
+    # -- on the submitting side ---------------------------------------------------------------------
+
+    def _executor(self) -> Any:
+        import submitit
+
+        init_keys = {"submitit_folder", "max_num_timeout"}
+        generic = set(BaseQueueConf.__dataclass_fields__)
+        init = {"folder": self.params["submitit_folder"]}
+        if "max_num_timeout" in self.params:
+            init[f"{self._EXECUTOR}_max_num_timeout"] = self.params["max_num_timeout"]
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)
+        executor.update_parameters(
+            **{
+                (key if key in generic else f"{self._EXECUTOR}_{key}"): value
+                for key, value in self.params.items()
+                if key not in init_keys
+            }
+        )
+        return executor
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        assert self.config is not None and job_overrides
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        if "mode" in self.config.hydra.sweep:
+            os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
+        indices = [initial_job_idx + i for i in range(len(job_overrides))]
+        labels = _point_labels(job_overrides)
+        executor = self._executor()
+        state = Singleton.get_state()
+        jobs = executor.map_array(
+            self,
+            [list(o) for o in job_overrides],
+            ["hydra.sweep.dir"] * len(indices),
+            indices,
+            [f"job_id_for_{i}" for i in indices],
+            [state] * len(indices),
+        )
+        log.info(
+            f"{len(jobs)} points submitted ({self._EXECUTOR}, job {jobs[0].job_id.split('_')[0]}); "
+            f"sweep folder {sweep_dir}"
+        )
+        try:
+            outcomes = self._wait(jobs, indices, labels)
+        except KeyboardInterrupt:
+            # A traceback would say nothing useful: say what goes on and how to pick the sweep up.
+            where = ""
+            if self._EXECUTOR == "slurm":
+                ids = ",".join(sorted({job.job_id.split("_")[0] for job in jobs}))
+                where = f" Slurm job {ids} goes on (scancel {ids} stops it);"
+            print(
+                f"kvbench: interrupted;{where} the same command again skips every finished sample",
+                file=sys.stderr,
+            )
+            sys.exit(130)
+        self._report(outcomes, indices, labels)
+        failed = [o.error for o in outcomes if o.error is not None]
+        if failed:
+            # Hydra's sweeper would re-raise the first failure with its traceback; the lines above
+            # already said everything.
+            sys.exit(2 if all(e.user_error for e in failed) else 1)
+        return [o.job_return for o in outcomes]
+
+    def _wait(self, jobs: list[Any], indices: list[int], labels: list[str]) -> list[Outcome]:
+        from submitit.core.utils import pickle_load
+
+        outcomes: dict[int, Outcome] = {}
+        ended_at: dict[int, float] = {}
+        started = time.monotonic()
+        while len(outcomes) < len(jobs):
+            states = self._states(jobs)
+            for k, job in enumerate(jobs):
+                if k in outcomes:
+                    continue
+                outcome = None
+                if job.paths.result_pickle.exists():
+                    kind, value = pickle_load(job.paths.result_pickle)
+                    if kind == "success" and value.status == JobStatus.COMPLETED:
+                        outcome = Outcome(value, "COMPLETED")
+                    elif kind == "success":
+                        outcome = Outcome(value, "FAILED", value._return_value)
+                    else:  # raised outside the task (e.g. composing the point's config in the job)
+                        outcome = Outcome(None, "FAILED", PointError(_last_line(value), user_error=False))
+                elif states.get(job.job_id) is not None:
+                    ended_at.setdefault(k, time.monotonic())
+                    grace = RESULT_GRACE_S.get(str(states[job.job_id]), OTHER_GRACE_S)
+                    if time.monotonic() - ended_at[k] > grace:
+                        state = states[job.job_id]
+                        outcome = Outcome(None, state, PointError(f"ended by the scheduler ({state})", False))
+                if outcome is None:
+                    continue
+                if outcome.error is not None:
+                    outcome.log_file = str(job.paths.stderr)
+                    if not outcome.error.message:
+                        outcome.error.message = _user_error_in(job.paths.stderr)
+                    print(_failure_line(indices[k], labels[k], outcome), file=sys.stderr, flush=True)
+                outcomes[k] = outcome
+            if len(outcomes) < len(jobs):
+                # Every second at first, then less often: a long sweep should not hammer the scheduler.
+                time.sleep(min(30.0, 1.0 + (time.monotonic() - started) / 60))
+        return [outcomes[k] for k in range(len(jobs))]
+
+    def _states(self, jobs: list[Any]) -> dict[str, str | None]:
+        """Job id -> its final state once it has ended without a result, else None (still active)."""
+        raise NotImplementedError
+
+    def _report(self, outcomes: list[Outcome], indices: list[int], labels: list[str]) -> None:
+        from kvbench.results import format_table
+
+        rows = []
+        for index, label, outcome in zip(indices, labels, outcomes, strict=True):
+            row: dict[str, Any] = {"#": index, "point": label}
+            if outcome.error is None:
+                value = outcome.job_return.return_value if outcome.job_return is not None else None
+                row.update({k: v for k, v in (value or {}).items() if k != "folder"})
+            row["state"] = outcome.state
+            row["log"] = outcome.log_file
+            rows.append(row)
+        print(format_table(rows), flush=True)
+
+
+def _user_error_in(log_file: Path) -> str:
+    """The last ``kvbench: error:`` line of a job's log, without its prefix."""
+    prefix = "kvbench: error: "
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    found = [line[len(prefix) :] for line in lines if line.startswith(prefix)]
+    return found[-1] if found else "exited with status 2 (a user error; see the log)"
+
+
+def _failure_line(index: int, label: str, outcome: Outcome) -> str:
+    """The one line a failed point gets on the sweep's terminal."""
+    assert outcome.error is not None
+    if outcome.error.user_error:
+        return f"kvbench: error: point #{index} ({label}): {outcome.error} [log: {outcome.log_file}]"
+    return f"kvbench: point #{index} ({label}) {outcome.state}: {outcome.error} [log: {outcome.log_file}]"
+
+
+def _point_labels(job_overrides: Sequence[Sequence[str]]) -> list[str]:
+    """Each point by the overrides that tell it apart from the others (all of them for one point)."""
+    points = [list(filter_overrides(o)) for o in job_overrides]
+    if len(points) == 1:
+        return [" ".join(points[0]) or "-"]
+    common = set.intersection(*(set(p) for p in points))
+    return [" ".join(o for o in p if o not in common) or "-" for p in points]
+
+
+class LocalSweepLauncher(_SweepLauncher):
+    _EXECUTOR = "local"
+
+    def _states(self, jobs: list[Any]) -> dict[str, str | None]:
+        # A local job is a child process: once it is no longer running, its result is final.
+        return {job.job_id: (None if not job.done() else job.state) for job in jobs}
+
+
+class SlurmSweepLauncher(_SweepLauncher):
+    _EXECUTOR = "slurm"
+    _warned = False
+
+    def _states(self, jobs: list[Any]) -> dict[str, str | None]:
+        arrays = sorted({job.job_id.split("_")[0] for job in jobs})
+        try:
+            command = ["squeue", "--noheader", "--states=all", "--array", "--format=%i|%T"]
+            out = subprocess.run(
+                [*command, f"--jobs={','.join(arrays)}"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.SubprocessError) as err:
+            if not self._warned:
+                log.warning(f"squeue failed ({_last_line(str(err))}); waiting for the jobs' results only")
+                self._warned = True
+            return {}
+        listed = dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
+        states: dict[str, str | None] = {}
+        for job in jobs:
+            state = listed.get(job.job_id)
+            if state is None:
+                # Gone from the controller's memory (MinJobAge) without writing a result.
+                states[job.job_id] = "ENDED (no longer known to squeue)"
+            else:
+                state = state.split()[0]
+                states[job.job_id] = None if state in SLURM_ACTIVE else state
+        return states
+
+
+# Hydra instantiates launchers only from the hydra_plugins package: hydra_plugins/kvbench_launcher
+# holds the two concrete classes.
+PLUGIN_MODULE = "hydra_plugins.kvbench_launcher"
+
+
+@dataclass
+class _LocalConf(LocalQueueConf):
+    _target_: str = f"{PLUGIN_MODULE}.LocalLauncher"
+
+
+@dataclass
+class _SlurmConf(SlurmQueueConf):
+    _target_: str = f"{PLUGIN_MODULE}.SlurmLauncher"
+
+
+def register() -> None:
+    """Store kvbench's launchers as ``hydra/launcher/submitit_local`` and ``submitit_slurm``.
+
+    Hydra's plugin scan executes the plugin's config module again and stores the plugin's own nodes
+    under those names, so the scan is run first and the entries are replaced after it.
+    """
+    import importlib.util
+
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    if importlib.util.find_spec(PLUGIN_MODULE) is None:
+        # An install made before the plugin package existed: keep the plugin's own launchers.
+        log.warning(
+            f"{PLUGIN_MODULE} is not installed (pip install -e . again); submitit sweeps report as before"
+        )
+        return
+    Plugins.instance()
+    store = ConfigStore.instance()
+    store.store(group="hydra/launcher", name="submitit_local", node=_LocalConf(), provider="kvbench")
+    store.store(group="hydra/launcher", name="submitit_slurm", node=_SlurmConf(), provider="kvbench")
