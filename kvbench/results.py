@@ -124,6 +124,26 @@ class RunFolder:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
+    def discard_if_unused(self, stop_at: Path) -> bool:
+        """Remove this folder when it holds no result (no sample row, no metrics), then its parents
+        that became empty, up to ``stop_at``. For a run that failed before its first sample: a folder
+        with only ``config.json`` and ``.lock`` would look like a run that never finished."""
+        has_rows = self.samples_path.exists() and self.samples_path.stat().st_size > 0
+        if has_rows or (self.path / "metrics.json").exists() or self.rejected_path.exists():
+            return False
+        for name in ("config.json", ".lock"):
+            (self.path / name).unlink(missing_ok=True)
+        self.samples_path.unlink(missing_ok=True)
+        stop = Path(stop_at).resolve()
+        folder = self.path.resolve()
+        while folder != stop and stop in folder.parents:
+            try:
+                folder.rmdir()  # only an empty folder goes; anything else stays
+            except OSError:
+                break
+            folder = folder.parent
+        return True
+
     def remove_orphans(self) -> None:
         """Temporary files from :func:`write_json_atomic`; only safe while holding the lock."""
         for tmp in self.path.glob(".*.tmp"):

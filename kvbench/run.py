@@ -258,12 +258,26 @@ def memory_warnings(memory: dict[str, Any], label: str) -> dict[str, str]:
 
 def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
     """Run one configuration (a Hydra DictConfig or a plain dict); returns the metrics written."""
+    plan = plan_run(cfg)
+    created = not Path(plan.folder).exists()
+    folder = RunFolder(plan.folder)
+    try:
+        return _execute_in(folder, plan, progress)
+    except ConfigError:
+        # An error only the run could meet (data a method reads after the model loads): a folder it
+        # made and never wrote a sample to goes, so nothing on disk looks like an unfinished run. The
+        # same config fails the same way in any process that waited on the lock.
+        if created:
+            folder.discard_if_unused(Path(plan.run.output.root))
+        raise
+
+
+def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
+    """The run of :func:`execute` inside its folder."""
     from kvbench.models import load_model, model_shape
 
-    plan = plan_run(cfg)
     config, run_cfg, model_cfg, method, task = plan.config, plan.run, plan.model, plan.method, plan.task
     samples, rid = plan.samples, plan.run_id
-    folder = RunFolder(plan.folder)
     # One process per run folder: a parallel sweep (Slurm array, submitit) can map several points
     # to one folder (fp16 ignores bits); the second waits, then resumes and finds nothing to do.
     with folder.lock():

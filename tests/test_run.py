@@ -135,3 +135,17 @@ def test_run_folder_lock_admits_one_writer_at_a_time(tmp_path, capsys):
     thread.join(timeout=10)
     assert entered.is_set()  # and admitted once it is released
     assert "in use by another process" in capsys.readouterr().err
+
+
+def test_a_folder_without_results_is_discarded_with_its_empty_parents(tmp_path):
+    root = tmp_path / "runs"
+    unused = RunFolder(root / "niah" / "m" / "kvquant" / "seed0-a")
+    unused.write_config({"seed": 0})
+    (unused.path / ".lock").touch()
+    kept = RunFolder(root / "niah" / "m" / "kivi" / "seed0-b")
+    kept.write_config({"seed": 0})
+    kept.append({"sample_id": "s0", "score": 1.0})
+    assert unused.discard_if_unused(root)
+    assert not (root / "niah" / "m" / "kvquant").exists()  # its empty parent went too
+    assert not kept.discard_if_unused(root)  # a sample row is a result: nothing is removed
+    assert [r["sample_id"] for r in kept.rows()] == ["s0"] and root.is_dir()

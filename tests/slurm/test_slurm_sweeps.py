@@ -149,14 +149,29 @@ def test_slurm_sweep_writes_the_same_runs_as_the_local_launcher(slurm_cluster, t
     assert "Traceback" not in on_slurm.stderr
 
 
+def niah_only_root(folder: Path) -> Path:
+    """A data root with the NIAH haystack and nothing else: KVQuant's calibration text is missing."""
+    from kvbench.data import default_data_root
+
+    root = folder / "niah-only"
+    root.mkdir(parents=True)
+    (root / "niah").symlink_to(default_data_root() / "niah", target_is_directory=True)
+    return root
+
+
 @pytest.fixture(scope="module")
 def array_sweep(slurm_cluster, tmp_path_factory):
-    """Three points, the first a user error (bits=9), through an array that runs two at a time."""
+    """Three points through an array that runs two at a time; the first fails inside its job.
+
+    The failure is one that only the run itself meets (KVQuant reads its calibration text after the
+    model loads); a bad config value would be refused before anything is submitted.
+    """
     cwd = tmp_path_factory.mktemp("array")
     args = [
         "-m",
-        "+method=kivi",
-        "bits=9,2,4",
+        "+method=kvquant,kivi,uniform",
+        "bits=2",
+        f"data.root={niah_only_root(cwd)}",
         "hydra/launcher=slurm_cpu",
         "hydra.launcher.array_parallelism=2",
     ]
@@ -194,12 +209,13 @@ def test_user_error_in_one_point_is_one_line_and_the_others_finish(array_sweep):
     lines = proc.stderr.strip().splitlines()
     errors = [line for line in lines if line.startswith("kvbench:")]
     assert len(errors) == 1, proc.stderr
-    assert errors[0].startswith("kvbench: error: point #0 (bits=9): bits=9.0: ")
+    assert errors[0].startswith("kvbench: error: point #0 (+method=kvquant): data.root="), errors[0]
+    assert "kvquant calibration needs one of wikitext2/" in errors[0]
     assert "Traceback" not in proc.stderr and "UncompletedJobError" not in proc.stderr
     log = Path(re.search(r"\[log: (.+)\]$", errors[0]).group(1))
-    assert "kvbench: error: bits=9.0" in log.read_text()
+    assert "kvbench: error: data.root=" in log.read_text()
     # The other two points ran to the end, and the summary names every point's state.
-    assert sorted(k.split("/")[0] for k in run_folders(cwd)) == ["kivi-2b", "kivi-4b"]
+    assert sorted(k.split("/")[0] for k in run_folders(cwd)) == ["kivi-2b", "uniform-2b"]
     assert all((f / "metrics.json").exists() for f in run_folders(cwd).values())
     table = {line.split()[0]: line for line in proc.stdout.splitlines() if line[:1].isdigit()}
     assert sorted(table) == ["0", "1", "2"]
