@@ -40,7 +40,7 @@ test: export KVBENCH_DATA_DIR :=
 test: assets
 	$(PY) -m ruff check kvbench tests scripts hydra_plugins
 	$(PY) -m ruff format --check kvbench tests scripts hydra_plugins
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 lint: setup
 	$(PY) -m ruff check kvbench tests scripts hydra_plugins
