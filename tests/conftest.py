@@ -44,9 +44,9 @@ def _sandbox() -> None:
     Python it starts (tests/sandbox/sitecustomize.py): a test that touches it fails."""
     os.environ.pop("KVBENCH_DATA_DIR", None)
     shared = TESTS.parent.parent / "shared"
-    if shared.is_dir():
-        forbidden = [os.environ.get("KVBENCH_TEST_FORBIDDEN", ""), str(shared)]
-        os.environ["KVBENCH_TEST_FORBIDDEN"] = os.pathsep.join(p for p in forbidden if p)
+    forbidden = [p for p in os.environ.get("KVBENCH_TEST_FORBIDDEN", "").split(os.pathsep) if p]
+    if shared.is_dir() and str(shared) not in forbidden:
+        os.environ["KVBENCH_TEST_FORBIDDEN"] = os.pathsep.join([*forbidden, str(shared)])
     if not os.environ.get("KVBENCH_TEST_FORBIDDEN"):
         return
     if not os.environ.get("KVBENCH_TEST_FORBIDDEN_LOG"):
