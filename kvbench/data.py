@@ -98,18 +98,23 @@ def read_text(path: Path) -> str:
         ) from None
 
 
-def read_json_lines(path: Path) -> list:
-    """The records of a JSON-lines data file (blank lines skipped), or a ConfigError naming the line."""
+def parse_json_lines(lines: list[str], source: str) -> list:
+    """The records of JSON lines (blank lines skipped), or a ConfigError naming ``source`` and the line."""
     rows = []
-    for number, line in enumerate(read_text(path).splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as err:
                 raise ConfigError(
-                    ROOT_KEY, str(path), f"JSON lines; line {number} is not JSON ({err.msg})"
+                    ROOT_KEY, source, f"JSON lines; line {number} is not JSON ({err.msg})"
                 ) from None
     return rows
+
+
+def read_json_lines(path: Path) -> list:
+    """The records of a JSON-lines data file (blank lines skipped), or a ConfigError naming the line."""
+    return parse_json_lines(read_text(path).splitlines(), str(path))
 
 
 def read_json(path: Path):

@@ -85,18 +85,18 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 REQUIRED_ROW_KEYS = ("sample_id",)
 
 
-def _row_problem(raw: bytes) -> str | None:
-    """Why ``raw`` (one line of samples.jsonl) is not a row; None when it is one."""
+def _parse_row(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """``(row, None)`` for one line of samples.jsonl that is a row, else ``(None, why it is not)``."""
     if not raw.endswith(b"\n"):
-        return "no newline at the end (a write cut short)"
+        return None, "no newline at the end (a write cut short)"
     try:
         row = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        return f"not JSON ({err.__class__.__name__})"
+        return None, f"not JSON ({err.__class__.__name__})"
     if not isinstance(row, dict):
-        return f"a JSON {type(row).__name__}, not an object"
+        return None, f"a JSON {type(row).__name__}, not an object"
     missing = [k for k in REQUIRED_ROW_KEYS if not isinstance(row.get(k), str)]
-    return f"no {', '.join(missing)}" if missing else None
+    return (None, f"no {', '.join(missing)}") if missing else (row, None)
 
 
 class RunFolder:
@@ -162,9 +162,9 @@ class RunFolder:
             return rows, kept, rejected
         with open(self.samples_path, "rb") as f:
             for number, raw in enumerate(f, 1):
-                problem = _row_problem(raw)
+                row, problem = _parse_row(raw)
                 if problem is None:
-                    rows.append(json.loads(raw))
+                    rows.append(row)
                     kept.append(raw)
                 else:
                     text = raw.decode("utf-8", "backslashreplace").rstrip("\n")

@@ -46,7 +46,6 @@ so results from the two never mix.
 
 from __future__ import annotations
 
-import json
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,7 +55,7 @@ from typing import Any
 import torch
 
 from kvbench.config import check_choice, is_int, require
-from kvbench.data import read_json, read_json_lines, require_file
+from kvbench.data import parse_json_lines, read_json, read_json_lines, require_file
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
 from kvbench.tasks.longbench_metrics import score_sample
@@ -143,10 +142,6 @@ def load_protocol(data_root: Path) -> tuple[dict[str, str], dict[str, int]]:
     return read_json(prompts), read_json(lengths)
 
 
-def _read_jsonl(lines) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in lines if line.strip()]
-
-
 def resolve_source(source: str, data_root: Path, tasks: Sequence[str]) -> str:
     """``hub`` or ``minilongbench`` for ``auto``, by what the data root holds (see the module doc)."""
     if source != "auto":
@@ -170,7 +165,7 @@ def load_rows(source: str, data_root: Path, task: str) -> list[dict[str, Any]]:
     local = Path(data_root) / FULL_DIR / f"{task}.jsonl"
     if local.is_file():
         return read_json_lines(local)
-    return _read_jsonl(_hub_lines(task))
+    return parse_json_lines(_hub_lines(task), f"{HUB_REPO}/{HUB_ARCHIVE}:data/{task}.jsonl")
 
 
 def _hub_lines(task: str) -> list[str]:
