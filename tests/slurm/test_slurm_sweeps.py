@@ -149,18 +149,8 @@ def test_slurm_sweep_writes_the_same_runs_as_the_local_launcher(slurm_cluster, t
     assert "Traceback" not in on_slurm.stderr
 
 
-def niah_only_root(folder: Path) -> Path:
-    """A data root with the NIAH haystack and nothing else: KVQuant's calibration text is missing."""
-    from kvbench.data import default_data_root
-
-    root = folder / "niah-only"
-    root.mkdir(parents=True)
-    (root / "niah").symlink_to(default_data_root() / "niah", target_is_directory=True)
-    return root
-
-
 @pytest.fixture(scope="module")
-def array_sweep(slurm_cluster, tmp_path_factory):
+def array_sweep(slurm_cluster, tmp_path_factory, haystack_only_root):
     """Three points through an array that runs two at a time; the first fails inside its job.
 
     The failure is one that only the run itself meets (KVQuant reads its calibration text after the
@@ -171,7 +161,7 @@ def array_sweep(slurm_cluster, tmp_path_factory):
         "-m",
         "+method=kvquant,kivi,uniform",
         "bits=2",
-        f"data.root={niah_only_root(cwd)}",
+        f"data.root={haystack_only_root}",
         "hydra/launcher=slurm_cpu",
         "hydra.launcher.array_parallelism=2",
     ]
