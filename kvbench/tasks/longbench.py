@@ -35,16 +35,16 @@ Per-sample ``score`` is in [0, 1]. The task score is the mean over its samples i
 group score the mean of its task scores, and ``score`` in the metrics the mean of all task scores, as
 the papers' "Average" column. The Chinese tasks form their own groups (``zh_single_doc_qa``, ...; one
 task each, as in LongBench's Chinese table), so the English group scores keep their meaning; a run
-with Chinese tasks also reports ``score_en`` (the mean over the 16 default tasks it scored) and
-``score_zh`` (over the Chinese ones).
+with Chinese tasks also reports ``score_en`` (the mean over the 16 default tasks it scored),
+``score_zh`` (over the Chinese ones) and the ``jieba_version`` that segmented them.
 
 Data (``source``), the same for every task:
 
-- ``minilongbench``: the MiniLongBench subset (arXiv 2505.19959; 187 samples over the 16 default
-  tasks, and Chinese rows where present) in
-  ``<data_root>/longbench/minilongbench_extracted/<task>.jsonl``. Its repobench-p rows hold the whole
-  ``{context}{input}`` text in ``context`` with an empty ``input``; the template concatenates the two
-  with nothing between, so the prompt is the official one.
+- ``minilongbench``: the MiniLongBench subset (arXiv 2505.19959; 237 samples over the 21 tasks, 187
+  of them in the 16 default tasks) in ``<data_root>/longbench/minilongbench_extracted/<task>.jsonl``.
+  Its repobench-p rows hold the whole ``{context}{input}`` text in ``context`` with an empty
+  ``input``; the template concatenates the two with nothing between, so the prompt is the official
+  one.
 - ``hub``: the full LongBench test split: ``<data_root>/longbench/data/<task>.jsonl`` (the Hub's
   ``data.zip`` unpacked into the data root; it holds all 21 tasks) when present, else ``data.zip``
   from the ``THUDM/LongBench`` dataset repository on the Hugging Face Hub (cached by
@@ -58,6 +58,7 @@ so results from the two never mix.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import zipfile
 from collections.abc import Sequence
@@ -416,8 +417,8 @@ class LongBench(Task):
     def aggregate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """Points (x100): ``score_<task>`` per task, ``group_<group>`` the mean of its tasks' scores,
         ``score`` the mean of all task scores; ``n`` samples and ``n_<task>`` per task. With Chinese
-        tasks among them, also ``score_en`` (mean over the default 16 tasks scored) and ``score_zh``
-        (mean over the Chinese tasks scored)."""
+        tasks among them, also ``score_en`` (mean over the default 16 tasks scored), ``score_zh``
+        (mean over the Chinese tasks scored) and ``jieba_version``."""
         by_task: dict[str, list[float]] = {}
         for r in rows:
             if r.get("score") is not None:
@@ -433,6 +434,8 @@ class LongBench(Task):
             "code_sim_backend": self.config.code_sim_backend,
         }
         if any(t in task_scores for t in CHINESE_TASKS):
+            # the segmentation, and so the Chinese scores, follow jieba's dictionary
+            out["jieba_version"] = importlib.metadata.version("jieba")
             for key, tasks in (("score_en", ENGLISH_TASKS), ("score_zh", CHINESE_TASKS)):
                 present = [task_scores[t] for t in tasks if t in task_scores]
                 if present:

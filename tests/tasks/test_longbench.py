@@ -4,6 +4,7 @@ hand-made rows in a temporary data root (local files and the Hub's archive)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -392,7 +393,7 @@ def test_aggregate_is_the_mean_of_task_scores_in_points(data_root):
     assert out["score"] == pytest.approx((75 + 25 + 60) / 3)  # mean of tasks, not of the 4 samples
     assert out["n"] == 4 and out["n_hotpotqa"] == 2 and out["tasks_scored"] == 3
     assert out["subset"] == "minilongbench" and "group_summarization" not in out
-    assert "score_en" not in out and "score_zh" not in out  # English-only metrics are as they were
+    assert "score_en" not in out and "jieba_version" not in out  # no language split without Chinese tasks
     assert out["code_sim_backend"] == "levenshtein"
 
 
@@ -410,6 +411,7 @@ def test_aggregate_with_chinese_tasks(data_root):
     assert out["group_zh_few_shot"] == 50 and out["group_zh_summarization"] == pytest.approx(20)
     assert out["group_multi_doc_qa"] == 100 and out["group_code"] == 50  # English groups: English tasks only
     assert out["n_lsht"] == 2 and out["tasks_scored"] == 4 and out["code_sim_backend"] == "difflib"
+    assert out["jieba_version"] == importlib.metadata.version("jieba")
 
 
 # --- command line ----------------------------------------------------------------------------------
