@@ -90,6 +90,7 @@ import functools
 import logging
 import re
 import string
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -144,7 +145,10 @@ def normalize_zh_word(word: str) -> str:
 @functools.cache
 def _jieba():
     """jieba, imported and quietened on first use: English-only runs never load its dictionary."""
-    import jieba
+    with warnings.catch_warnings():
+        # jieba 0.42.1 tries pkg_resources first, which older setuptools releases flag as deprecated
+        warnings.filterwarnings("ignore", message=".*pkg_resources")
+        import jieba
 
     jieba.setLogLevel(logging.WARNING)  # its "Building prefix dict" lines would land in every run's log
     jieba.initialize()
