@@ -48,7 +48,7 @@ channels, :mod:`kvbench.quant.packing`), the base quantizer's parameters, and th
   (1 / (2 head_dim)) reproduces the paper's 2.39 nominal code bits -> ~2.65 effective bits; the
   packed bytes held here cost 8/3 bits per code for both L = 5 and 6 (3 codes per byte), which
   ``effective_bits`` reports as they are);
-- ``turboquant``: TurboQuant-MSE (:mod:`kvbench.methods.turboquant`: per-vector fp16 norm, seeded
+- ``turboquant``: TurboQuant-MSE (:mod:`kvbench.cache.rotated`: per-vector fp16 norm, seeded
   rotation per (layer, kv head), Lloyd-Max codebook of L levels); ``seeds`` is one int64 per layer.
 
 ``bits`` (the run's top-level knob) is the target average when ``target_bits`` is unset.
@@ -67,14 +67,14 @@ from typing import ClassVar
 import torch
 
 from kvbench.cache import KVLayer
+from kvbench.cache.composite import CompositeLayer
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens
 from kvbench.cache.quantized import QuantizedTokens
+from kvbench.cache.rotated import HeadRotations, RotatedCodes
 from kvbench.config import check_choice, is_int, is_number, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
-from kvbench.methods.turboquant import RotatedCodes, head_seed
-from kvbench.quant.lloyd_max import lloyd_max_codebook, random_rotation
 from kvbench.quant.mixed import (
     RunningAllocator,
     high_fraction,
@@ -186,63 +186,6 @@ def _seed(*parts) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-# -- base quantizer stores -------------------------------------------------------------------------
-class AffineStore:
-    """Tokens of one level count under the affine per-token quantizer."""
-
-    def __init__(self, levels: int, group_size: int | None):
-        self.q = QuantizedTokens(levels, "token", group_size)
-        self.levels = levels
-
-    def append(self, x: torch.Tensor) -> None:
-        self.q.append(x)
-
-    def dequantize(self) -> torch.Tensor | None:
-        return self.q.dequantize() if len(self.q) else None
-
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return self.q.held_tensors()
-
-    def quantized_values(self) -> int:
-        return self.q.quantized_values()
-
-    def nominal_code_bits(self) -> float:
-        return self.q.nominal_code_bits()
-
-
-class RotatedStore:
-    """Tokens of one level count under TurboQuant-MSE; ``rotations`` are the layer's, per kv head."""
-
-    def __init__(self, levels: int, layer: SemKVLayer):
-        self.q = RotatedCodes(levels)
-        self.levels, self.layer = levels, layer
-        self.centroids: torch.Tensor | None = None
-
-    def _codebook(self, dim: int, device) -> torch.Tensor:
-        if self.centroids is None:
-            c, _ = lloyd_max_codebook(self.levels, dim)
-            self.centroids = torch.tensor(c, dtype=torch.float32, device=device)
-        return self.centroids
-
-    def append(self, x: torch.Tensor) -> None:
-        self.q.append(x, self.layer.rotations(x), self._codebook(x.shape[-1], x.device))
-
-    def dequantize(self) -> torch.Tensor | None:
-        if not len(self.q):
-            return None
-        return self.q.dequantize(self.layer.rotations(), self.centroids)
-
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        codes, norms = self.q.tensors()
-        return {"codes": codes, "norms": norms}
-
-    def quantized_values(self) -> int:
-        return self.q.quantized_values()
-
-    def nominal_code_bits(self) -> float:
-        return self.q.nominal_code_bits()
-
-
 # -- the layer --------------------------------------------------------------------------------------
 class SemKVLayer(KVLayer):
     def __init__(self, layer_idx: int, cfg: SemKVConfig, fp_dtype: torch.dtype):
@@ -256,26 +199,16 @@ class SemKVLayer(KVLayer):
         self.started = False  # the first unit (the prefill) has been allocated
         self.masks: list[torch.Tensor] = []  # packed allocation maps, one per unit
         self.unit_sizes: list[int] = []
-        self._rotations: torch.Tensor | None = None
         self._generator: torch.Generator | None = None
+        self.rotations = HeadRotations(cfg.seed, layer_idx) if cfg.base == "turboquant" else None
         if cfg.base == "uniform":
-            make = lambda levels: AffineStore(levels, cfg.group_size)  # noqa: E731
+            make = lambda levels: QuantizedTokens(levels, "token", cfg.group_size)  # noqa: E731
         else:
-            make = lambda levels: RotatedStore(levels, self)  # noqa: E731
-            self.seed_tensor = torch.tensor([cfg.seed], dtype=torch.int64)
+            make = lambda levels: RotatedCodes(levels, self.rotations)  # noqa: E731
+        # per K/V: (store of the tokens at L_hi, store of the tokens at L_lo)
         self.stores = {kv: (make(cfg.high_levels), make(cfg.low_levels)) for kv in ("k", "v")}
 
     # -- helpers ----------------------------------------------------------------------------------
-    def rotations(self, x: torch.Tensor | None = None) -> torch.Tensor:
-        if self._rotations is None:
-            heads, dim = x.shape[1], x.shape[-1]
-            self._rotations = torch.stack(
-                [
-                    random_rotation(dim, head_seed(self.cfg.seed, self.layer_idx, h), x.device)
-                    for h in range(heads)
-                ]
-            )
-        return self._rotations
 
     def pending(self) -> int:
         return len(self.k_pend)
@@ -363,7 +296,8 @@ class SemKVLayer(KVLayer):
             stored = None
             if mask is not None:
                 high, low = self.stores[kv]
-                stored = merge_by_mask(mask, high.dequantize(), low.dequantize())
+                dequantized = CompositeLayer.dequantized
+                stored = merge_by_mask(mask, dequantized(high), dequantized(low))
             out.append(cat_tokens(stored, pend.data))
         return out[0], out[1]
 
@@ -390,8 +324,8 @@ class SemKVLayer(KVLayer):
         held["index"] = list(self.masks)
         held["residual"] = self.k_pend.tensors() + self.v_pend.tensors()
         held["scores"] = [] if self.scores is None else [self.scores]
-        if self.cfg.base == "turboquant":
-            held["seeds"] = [self.seed_tensor] if self._rotations is not None else []
+        if self.rotations is not None:
+            held["seeds"] = self.rotations.held_tensors()
         return held
 
     def quantized_values(self):

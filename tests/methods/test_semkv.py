@@ -104,8 +104,8 @@ def test_top_p_by_key_norm_get_the_higher_level_count():
         want_v[~mask[h]] = fake_quantize_grouped(held[~mask[h]], 5, "token", None)
         assert torch.equal(v[0, h], want_v)
     high_k, low_k = layer.stores["k"]
-    assert high_k.q.levels == 6 and low_k.q.levels == 5
-    assert len(high_k.q) == 2 and len(low_k.q) == 6
+    assert high_k.levels == 6 and low_k.levels == 5
+    assert len(high_k) == 2 and len(low_k) == 6
 
 
 def test_value_norm_ranks_values():
