@@ -12,6 +12,10 @@ Two kinds of capture, one module:
 - :class:`OutputCapture`: forward hooks on a list of modules (decoder layers, projections) that keep,
   per module index, what ``reduce(inputs, kwargs, output)`` makes of each call (e.g. a norm of the
   hidden state rather than the state itself), until :meth:`OutputCapture.close`.
+
+:func:`replay` then drives any method's layer with captured tensors, without the model: a prefill,
+then decode steps through the layer's own ``update``/``attend`` (pools, evictions, query-adaptive
+reads all run as in a real decode).
 """
 
 from __future__ import annotations
@@ -99,3 +103,44 @@ class OutputCapture:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class AttentionModule(torch.nn.Module):
+    """What a layer's ``attend`` reads from the attention module, for :func:`replay`."""
+
+    training = False
+    is_causal = True
+
+    def __init__(self, layer_idx: int, groups: int, scaling: float):
+        super().__init__()
+        self.layer_idx, self.num_key_value_groups, self.scaling = layer_idx, groups, scaling
+
+
+@torch.no_grad()
+def replay(
+    layer,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    prefill: int,
+    steps: int,
+    scaling: float,
+    attend_prefill: bool = False,
+    before_attend: Callable[[int, Any], None] | None = None,
+) -> list[torch.Tensor]:
+    """Feed a cache layer captured ``query [B, H, N, D]``, ``keys``/``values [B, H_kv, N, D]``: the
+    first ``prefill`` tokens in one update (attended too with ``attend_prefill``), then one token per
+    step for ``steps`` steps, each attended by its own query. ``before_attend(t, layer)`` runs after
+    position t is stored and before its query attends. Returns each step's attention output in
+    transformers' layout ``[B, 1, H, D]``."""
+    module = AttentionModule(layer.layer_idx, query.shape[1] // keys.shape[1], scaling)
+    k, v = layer.update(keys[:, :, :prefill], values[:, :, :prefill])
+    if attend_prefill:
+        layer.attend(module, query[:, :, :prefill], k, v, None, scaling=scaling)
+    outs = []
+    for t in range(prefill, prefill + steps):
+        k, v = layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+        if before_attend is not None:
+            before_attend(t, layer)
+        outs.append(layer.attend(module, query[:, :, t : t + 1], k, v, None, scaling=scaling)[0])
+    return outs
