@@ -70,11 +70,10 @@ class KVQuantConfig(MethodConfig):
     calibration_tokens: int = 2048
     sensitivity_weighted: bool = False
 
+    backends: ClassVar[tuple[str, ...]] = ("torch",)
     default_bits: ClassVar[float] = 3.0
 
     def __post_init__(self):
-        if self.backend == "triton":
-            raise ConfigError("method.backend", self.backend, "only torch is implemented for kvquant")
         super().__post_init__()
         for knob in ("pre_rope", "sink", "calibrate", "sensitivity_weighted"):
             value = getattr(self, knob)

@@ -337,9 +337,7 @@ def three_part_attention(query, s: Stored, new_k, new_v, attention_mask, scaling
 @register_method("ott")
 class OTT(Method):
     Config = OTTConfig
-
-    def make_layer(self, layer_idx, shape, model_dtype):
-        return OTTLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+    Layer = OTTLayer
 
     def label(self) -> str:
         return f"ott-{kv_bits_label(self.config)}"

@@ -77,11 +77,11 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
     residual: int = 0
     key_share: float = 0.5
 
+    backends: ClassVar[tuple[str, ...]] = ("torch",)
     default_bits: ClassVar[float] = 8.0
 
     def __post_init__(self):
         super().__post_init__()
-        require(self.backend == "torch", "method.backend", self.backend, "readkv has only the torch backend")
         require(
             self.bits is not None and float(self.bits).is_integer() and 2 <= self.bits <= 8,
             "method.bits",
@@ -282,9 +282,7 @@ class ReadKVLayer(CompositeLayer):
 @register_method("readkv")
 class ReadKV(Method):
     Config = ReadKVConfig
-
-    def make_layer(self, layer_idx, shape, model_dtype):
-        return ReadKVLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+    Layer = ReadKVLayer
 
     def base_label(self) -> str:
         c = self.config

@@ -117,11 +117,10 @@ class SemKVConfig(MethodConfig):
     seed: int = 0
     query_chunk: int = 128
 
+    backends: ClassVar[tuple[str, ...]] = ("torch",)
     default_bits: ClassVar[float] = 2.39
 
     def __post_init__(self):
-        if self.backend == "triton":
-            raise ConfigError("method.backend", self.backend, "only torch is implemented for semkv")
         super().__post_init__()
         for key in ("high_levels", "low_levels"):
             value = getattr(self, key)
@@ -352,14 +351,12 @@ class SemKV(Method):
     here and is reset by :meth:`new_cache`, one cache per request."""
 
     Config = SemKVConfig
+    Layer = SemKVLayer
 
     def __init__(self, config: SemKVConfig):
         super().__init__(config)
         self.hidden: OutputCapture | None = None  # decoder layer -> [B, t] scores of the last forward
         self.last_logprobs: torch.Tensor | None = None
-
-    def make_layer(self, layer_idx, shape, model_dtype):
-        return SemKVLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
 
     def new_cache(self, shape, model_dtype):
         self.last_logprobs = None

@@ -348,9 +348,7 @@ class SpeCacheCache(KVBenchCache):
 @register_method("specache")
 class SpeCache(Method):
     Config = SpeCacheConfig
-
-    def make_layer(self, layer_idx, shape, model_dtype):
-        return SpeCacheLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+    Layer = SpeCacheLayer
 
     def new_cache(self, shape, model_dtype) -> SpeCacheCache:
         return SpeCacheCache([self.make_layer(i, shape, model_dtype) for i in range(shape.num_layers)])

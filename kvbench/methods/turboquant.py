@@ -43,7 +43,6 @@ from kvbench.cache.composite import CompositeLayer
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.rotated import HeadRotations, RotatedCodes
 from kvbench.config import is_int, require
-from kvbench.errors import ConfigError
 from kvbench.methods.affine_base import FullPrecisionWindow, kv_bits_label
 from kvbench.methods.base import Method, MethodConfig, register_method
 
@@ -56,11 +55,10 @@ class TurboQuantConfig(FullPrecisionWindow, MethodConfig):
     seed: int = 0
     residual: int = 0
 
+    backends: ClassVar[tuple[str, ...]] = ("torch",)
     default_bits: ClassVar[float] = 2.0
 
     def __post_init__(self):
-        if self.backend == "triton":
-            raise ConfigError("method.backend", self.backend, "only torch is implemented for turboquant")
         super().__post_init__()
         require(
             is_int(self.seed) and 0 <= self.seed < 2**63,
@@ -107,9 +105,7 @@ class TurboQuantLayer(CompositeLayer):
 @register_method("turboquant")
 class TurboQuant(Method):
     Config = TurboQuantConfig
-
-    def make_layer(self, layer_idx, shape, model_dtype):
-        return TurboQuantLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+    Layer = TurboQuantLayer
 
     def label(self) -> str:
         c = self.config

@@ -86,6 +86,4 @@ class UniformLayer(CompositeLayer):
 @register_method("uniform")
 class Uniform(Method):
     Config = UniformConfig
-
-    def make_layer(self, layer_idx, shape, model_dtype):
-        return UniformLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+    Layer = UniformLayer
