@@ -206,6 +206,9 @@ class KVQuantLayer(KVLayer):
 @register_method("kvquant")
 class KVQuant(Method):
     Config = KVQuantConfig
+    # the contract's shape has no rope_theta and no model to calibrate on: post-RoPE, prompt statistics
+    contract_node = {"bits": 2, "calibrate": False, "pre_rope": False}
+    contract_error = 0.6
 
     def __init__(self, config: KVQuantConfig):
         super().__init__(config)

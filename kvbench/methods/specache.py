@@ -348,6 +348,8 @@ class SpeCacheCache(KVBenchCache):
 @register_method("specache")
 class SpeCache(Method):
     Config = SpeCacheConfig
+    # the accelerator's low-bit copy is what read() returns; the FP16 host copy is not device memory
+    contract_node = {"bits": 2}
     Layer = SpeCacheLayer
 
     def new_cache(self, shape, model_dtype) -> SpeCacheCache:
