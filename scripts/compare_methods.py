@@ -1,11 +1,12 @@
 """Attention-output error and effective bits of every quantizer on real keys, values and queries.
 
-The default model reads a long text (a PG19 book from the data root) once; a capturing attention
-function records each layer's post-RoPE queries, keys and values. Then, for every method
-configuration, each layer's cache is filled with the first ``T0`` tokens (its prefill) and
-``--steps`` decode steps are replayed through the method's own ``update``/``attend`` (so pools,
-sinks and query-adaptive reads are exercised); each step's attention output is compared with exact
-attention over the unquantized keys and values:
+The default model reads a long text (a PG19 book from the data root) once, inside
+:func:`kvbench.cache.capture.capture_attention`, which records each layer's post-RoPE queries, keys
+and values. Then, for every method configuration, each layer's cache is filled with the first
+``T0`` tokens (its prefill) and ``--steps`` decode steps are replayed through the method's own
+``update``/``attend`` (:func:`kvbench.cache.capture.replay`: pools, sinks and query-adaptive reads
+are exercised); each step's attention output is compared with exact attention over the
+unquantized keys and values:
 
     rel_err = ||O_method - O_exact|| / ||O_exact||   (mean over layers, heads and steps)
 
@@ -22,25 +23,15 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from kvbench.cache import ATTN_IMPLEMENTATION, memory_report
+from kvbench.cache.capture import AttentionRecord, capture_attention, replay
 from kvbench.config import build_config
 from kvbench.data import resolve_data_root
 from kvbench.errors import ConfigError
 from kvbench.methods import METHODS, build_method
 from kvbench.models import ModelConfig, load_model, model_node, model_shape
 from kvbench.tasks.perplexity import load_text
-
-CAPTURE = "kvbench_capture"
-_captured: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
-def _capturing_attention(module, query, key, value, attention_mask, **kwargs):
-    _captured[module.layer_idx] = (query.detach(), key.detach(), value.detach())
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def configurations() -> list[tuple[str, dict]]:
@@ -80,17 +71,6 @@ def configurations() -> list[tuple[str, dict]]:
     return [(label, node) for label, node in rows if node["name"] in METHODS]
 
 
-class _Module(torch.nn.Module):
-    """What an attention function reads from the attention module."""
-
-    training = False
-    is_causal = True
-
-    def __init__(self, layer_idx: int, groups: int, scaling: float):
-        super().__init__()
-        self.layer_idx, self.num_key_value_groups, self.scaling = layer_idx, groups, scaling
-
-
 def exact_attention(q, k, v, groups, scaling):
     """``q [1, H, 1, D]`` over all of ``k, v [1, H_kv, N, D]`` in float32."""
     k = k.repeat_interleave(groups, dim=1).float()
@@ -98,19 +78,18 @@ def exact_attention(q, k, v, groups, scaling):
     return torch.softmax((q.float() @ k.transpose(-1, -2)) * scaling, dim=-1) @ v
 
 
-def evaluate(method, model, shape, layers, t0: int, steps: int) -> tuple[float, float]:
+def evaluate(
+    method, model, shape, captured: dict[int, AttentionRecord], layers, t0: int, steps: int
+) -> tuple[float, float]:
     groups = shape.num_heads // shape.num_kv_heads
     scaling = shape.head_dim**-0.5
     cache = method.new_cache(shape, model.dtype)
     errors = []
     for idx in layers:
-        q, k, v = _captured[idx]
-        layer = cache.layers[idx]
-        module = _Module(idx, groups, scaling)
-        layer.update(k[:, :, :t0], v[:, :, :t0])
-        for t in range(t0, t0 + steps):
-            keys, values = layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
-            out = layer.attend(module, q[:, :, t : t + 1], keys, values, None, scaling=scaling)[0]
+        rec = captured[idx]
+        q, k, v = rec.query, rec.keys, rec.values
+        outs = replay(cache.layers[idx], q, k, v, t0, steps, scaling)
+        for t, out in zip(range(t0, t0 + steps), outs, strict=True):
             got = out.transpose(1, 2).float()  # [1, H, 1, D]
             want = exact_attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], groups, scaling)
             errors.append(((got - want).norm() / want.norm()).item())
@@ -128,8 +107,6 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results/compare_methods.md"))
     args = parser.parse_args(argv)
 
-    AttentionInterface.register(CAPTURE, _capturing_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE, sdpa_mask)
     node = model_node("smollm2-135m")
     model, tokenizer = load_model(build_config(ModelConfig, node, "model"), ATTN_IMPLEMENTATION)
     shape = model_shape(model, node.get("max_context"))
@@ -138,10 +115,8 @@ def main(argv=None) -> int:
     ids = torch.cat(
         [torch.tensor([[tokenizer.bos_token_id or 1]]), ids[:, : args.tokens + args.steps - 1]], dim=1
     )
-    model.set_attn_implementation(CAPTURE)
-    with torch.no_grad():
-        model(input_ids=ids)
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    with torch.no_grad(), capture_attention() as capture:
+        model(input_ids=ids, use_cache=False)
     layers = args.layers if args.layers else list(range(0, shape.num_layers, 4))
 
     lines = [
@@ -160,7 +135,7 @@ def main(argv=None) -> int:
         except (ConfigError, NotImplementedError) as err:
             print(f"| {label} | skipped: {err} | - |", flush=True)
             continue
-        err, bits = evaluate(method, model, shape, layers, args.tokens, args.steps)
+        err, bits = evaluate(method, model, shape, capture.records, layers, args.tokens, args.steps)
         lines.append(f"| {label} | {err:.4f} | {bits:.3f} |")
         print(lines[-1], flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,11 +16,12 @@ Definitions (per run, summed over layers, keys and values together):
 Device and host: ``bytes``, ``effective_bits`` and ``compression`` count what the accelerator holds
 (:meth:`KVLayer.held_tensors`; for every method that does not offload, that is everything). A layer
 that also keeps tensors in host memory (SpeCache's full-precision copy) reports them in
-``host_tensors()``; they are summed apart into ``host_bytes_by_component`` / ``host_bytes`` and never
-enter the device figures. A layer that moves tokens host -> accelerator reports
-``prefetch_stats() -> (fetches, entries, bytes)``; the report gives the means per fetch (one fetch per
-layer per decode forward, summed over layers): ``prefetch_entries_per_step`` ((token, KV head) pairs)
-and ``prefetch_bytes_per_step``, None where nothing was fetched.
+:meth:`KVLayer.host_tensors`; they are summed apart into ``host_bytes_by_component`` /
+``host_bytes`` and never enter the device figures. A layer that moves tokens host -> accelerator
+reports :meth:`KVLayer.prefetch_stats` ``-> (fetches, entries, bytes)``; the report gives the means
+per fetch (one fetch per layer per decode forward, summed over layers):
+``prefetch_entries_per_step`` ((token, KV head) pairs) and ``prefetch_bytes_per_step``, None where
+nothing was fetched.
 """
 
 from __future__ import annotations
@@ -120,14 +121,13 @@ def memory_report(layers: list[KVLayer]) -> MemoryReport:
     for layer in layers:
         if not layer.is_initialized:
             continue
-        host_tensors = getattr(layer, "host_tensors", None)
-        for component, tensors in (host_tensors() if host_tensors else {}).items():
+        for component, tensors in layer.host_tensors().items():
             report.host_bytes_by_component[component] = report.host_bytes_by_component.get(
                 component, 0
             ) + tensor_bytes(tensors)
-        prefetch_stats = getattr(layer, "prefetch_stats", None)
-        if prefetch_stats:
-            fetches, entries, nbytes = prefetch_stats()
+        prefetch = layer.prefetch_stats()
+        if prefetch is not None:
+            fetches, entries, nbytes = prefetch
             # each decode forward fetches once per layer: a step is a fetch of the busiest layer
             report.prefetch_steps = max(report.prefetch_steps, fetches)
             report.prefetch_entries += entries

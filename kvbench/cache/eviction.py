@@ -147,6 +147,10 @@ class EvictionLayer(KVLayer):
 
     evicts_in_decode: bool = False
     query_chunk: int = 256
+    # Instrumentation, off in runs: keep ``positions`` ([B, H_kv, n] int64, the logical position of
+    # every kept token) for measurements that ask which tokens a policy kept (the hit-rate task).
+    # They are bookkeeping of the measurement, not part of the method, and are not accounted.
+    record_positions: bool = False
 
     def __init__(self, layer_idx: int, fp_dtype: torch.dtype, budget_of: Callable[[EvictionLayer, int], int]):
         super().__init__(layer_idx)
@@ -155,6 +159,7 @@ class EvictionLayer(KVLayer):
         self.budget: int | None = None
         self.k: torch.Tensor | None = None  # [B, H_kv, n, D], fp_dtype
         self.v: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None  # with record_positions
         self._unattended = False  # tokens appended by a forward whose attention has not run yet
         self._prefill_pending = False  # the first forward's tokens await their compression
 
@@ -167,6 +172,10 @@ class EvictionLayer(KVLayer):
         keys, values = keys.to(self.fp_dtype), values.to(self.fp_dtype)
         self.k = keys if self.k is None else torch.cat([self.k, keys], dim=-2)
         self.v = values if self.v is None else torch.cat([self.v, values], dim=-2)
+        if self.record_positions:
+            b, h, t, _ = keys.shape
+            new = torch.arange(self.num_tokens, self.num_tokens + t, device=keys.device).expand(b, h, t)
+            self.positions = new if self.positions is None else torch.cat([self.positions, new], dim=-1)
 
     def read(self):
         return self.k, self.v
@@ -184,6 +193,8 @@ class EvictionLayer(KVLayer):
         gather = idx[..., None].expand(-1, -1, -1, self.head_dim).to(self.k.device)
         self.k = self.k.gather(2, gather)
         self.v = self.v.gather(2, gather)
+        if self.positions is not None:
+            self.positions = self.positions.gather(2, idx.to(self.positions.device))
 
     # -- policy ---------------------------------------------------------------------------------
     def window_size(self, budget: int) -> int:

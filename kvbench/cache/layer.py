@@ -60,6 +60,18 @@ class KVLayer(CacheLayerMixin):
         methods that read less than they store (ReadKV); others read everything: (0, 0)."""
         return 0, 0
 
+    def host_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors this layer keeps in host memory rather than on the accelerator, by accounting
+        component (SpeCache's full-precision copy). They are reported as ``host_bytes`` and never
+        enter the device figures. Default: none."""
+        return {}
+
+    def prefetch_stats(self) -> tuple[int, int, int] | None:
+        """``(fetches, entries, bytes)`` moved host -> accelerator so far, for a layer that fetches
+        from :meth:`host_tensors` (one fetch per decode forward; an entry is one (token, KV head)
+        pair). Default: None, the layer never fetches."""
+        return None
+
     # -- transformers' CacheLayerMixin ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device

@@ -63,5 +63,11 @@ class SinkLayer(KVLayer):
     def read_stats(self):
         return self.inner.read_stats()
 
+    def host_tensors(self):
+        return self.inner.host_tensors()
+
+    def prefetch_stats(self):
+        return self.inner.prefetch_stats()
+
     def nominal_code_bits(self):
         return self.inner.nominal_code_bits()

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from kvbench.errors import ConfigError
 from kvbench.kernels.runtime import interpreting, require_triton
+from kvbench.quant.levels import check_levels
 from kvbench.quant.packing import chunk_layout, packed_length
 
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -303,11 +304,6 @@ def _unpack_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_levels(levels: int) -> None:
-    if isinstance(levels, bool) or not isinstance(levels, int) or not 2 <= levels <= 256:
-        raise ValueError(f"levels must be an int in 2..256, got {levels!r}")
-
-
 def _check_axis(axis: str) -> None:
     if axis not in ("token", "channel"):
         raise ConfigError("axis", axis, "one of token, channel")
@@ -439,7 +435,7 @@ def quantize_pack(
         ``param_dtype``, ``[..., T, D // G]`` (token axis) or ``[..., T // G, D]`` (channel axis).
     """
     require_triton()
-    _check_levels(levels)
+    check_levels(levels)
     _check_axis(axis)
     if zero_point not in ("minmax", "specache"):
         raise ConfigError("zero_point", zero_point, "one of minmax, specache")
@@ -508,7 +504,7 @@ def unpack_dequantize(
         head_dim: D, the number of codes per token (the packed row may hold padding codes).
     """
     require_triton()
-    _check_levels(levels)
+    check_levels(levels)
     _check_axis(axis)
     if packed.dim() < 2 or packed.dtype != torch.uint8:
         raise ValueError(

@@ -38,10 +38,18 @@ class MethodConfig:
     sink_tokens: int = 0
 
     default_bits: ClassVar[float | None] = None
+    # The backends a method implements; a method with only the torch reference sets ("torch",).
+    backends: ClassVar[tuple[str, ...]] = BACKENDS
 
     def __post_init__(self):
         check_choice("method.fp_dtype", self.fp_dtype, (*DTYPES, "auto"))
         check_choice("method.backend", self.backend, BACKENDS)
+        if self.backend not in self.backends:
+            raise ConfigError(
+                "method.backend",
+                self.backend,
+                f"only {', '.join(self.backends)} is implemented for {self.name}",
+            )
         require(
             isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
             "method.sink_tokens",
@@ -103,16 +111,28 @@ def check_group(key: str, group_size: int | None, dim: int, what: str) -> None:
 
 
 class Method:
-    """A KV-cache method. Subclasses set ``Config`` and implement :meth:`make_layer`."""
+    """A KV-cache method. Subclasses set ``Config`` and either ``Layer`` or :meth:`make_layer`."""
 
     Config: ClassVar[type[MethodConfig]] = MethodConfig
+    # The layer class, built as ``Layer(layer_idx, config, fp_dtype)`` by the default make_layer.
+    Layer: ClassVar[type[KVLayer] | None] = None
     registered_name: ClassVar[str]
+    # The contract every registered method passes (tests/methods/test_method_table.py) builds it
+    # from ``{"name": NAME, **contract_node}`` on a small shape with a 300-token prompt and 40 decode
+    # tokens, and bounds the relative reconstruction error of a method that quantizes (``bits`` set)
+    # by ``contract_error``; methods whose defaults do not suit that setting override them here.
+    contract_node: ClassVar[dict[str, Any]] = {}
+    contract_error: ClassVar[float] = 0.5
 
     def __init__(self, config: MethodConfig):
         self.config = config
 
     def make_layer(self, layer_idx: int, shape: ModelShape, model_dtype: torch.dtype) -> KVLayer:
-        raise NotImplementedError
+        """One transformer layer's storage. Default: ``Layer(layer_idx, config, fp_dtype)``, with
+        ``fp_dtype`` the dtype of whatever the method keeps in full precision."""
+        if self.Layer is None:
+            raise NotImplementedError(f"{type(self).__name__} sets neither Layer nor make_layer")
+        return self.Layer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
 
     def after_forward(self, cache: KVBenchCache, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         """Called by the decode loop after every forward with its ``input_ids [B, t]`` and float32

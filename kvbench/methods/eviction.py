@@ -38,7 +38,6 @@ from kvbench.cache.eviction import EvictionLayer, budget_tokens
 from kvbench.config import build_config, check_choice, is_int, require
 from kvbench.methods.base import METHODS, Method, MethodConfig, ModelShape, covers_context
 
-EVICTION_METHODS = ("streamingllm", "h2o", "snapkv", "random_prune")
 MATCHED_SEED = 0  # keys/values fed to the matched cache: its bytes do not depend on them
 
 
@@ -87,7 +86,7 @@ class EvictionConfig(MethodConfig):
 def build_matched(node: Any) -> Method:
     """The quantized configuration whose bytes set the budget, validated under
     ``method.matched_memory``."""
-    allowed = [n for n in METHODS.names() if n not in EVICTION_METHODS]
+    allowed = [n for n in METHODS.names() if not issubclass(METHODS.get(n), EvictionMethod)]
     require(
         isinstance(node, dict),
         "method.matched_memory",
@@ -103,6 +102,9 @@ class EvictionMethod(Method):
     """Builds a policy's layers and resolves their budgets."""
 
     Config: ClassVar[type[EvictionConfig]] = EvictionConfig
+    # the contract reads every token back, so the budget exceeds its 340 tokens (nothing is evicted,
+    # FP16 bytes); what the policies keep is tested in tests/methods/test_eviction.py
+    contract_node = {"budget": 512}
 
     def __init__(self, config: EvictionConfig):
         super().__init__(config)

@@ -1,8 +1,8 @@
 """``ott``: OTT, Outlier Tokens Tracing (Su et al., "Accurate KV Cache Quantization with Outlier
 Tokens Tracing", ACL 2025).
 
-OTT is KIVI (:mod:`kvbench.methods.kivi`) plus a small full-precision pool of *outlier tokens*,
-tracked per (layer, kv head) while decoding.
+OTT is KIVI (KIVI's storage, :class:`kvbench.cache.kivi_layout.KIVILayout`) plus a small
+full-precision pool of *outlier tokens*, tracked per (layer, kv head) while decoding.
 
 Layout and quantizer (Sec. 3 "Quantization", following KIVI): keys per channel over groups of G
 consecutive tokens, values per token over groups of ``value_group_size`` channels, KIVI's affine
@@ -58,18 +58,18 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from kvbench.cache import KVLayer
+from kvbench.cache.kivi_layout import KIVILayout
 from kvbench.cache.layer import cat_tokens, merge_held
-from kvbench.cache.quantized import QuantizedTokens
+from kvbench.cache.masks import grouped_additive_mask
+from kvbench.cache.outliers import EMPTY, Pool, place
 from kvbench.config import check_choice, is_int, require
-from kvbench.methods.base import Method, MethodConfig, check_group, covers_context, register_method
-from kvbench.methods.kivi import KIVILayer
-from kvbench.methods.uniform import ZERO_POINTS, zero_point_for
-
-EMPTY = -1  # position of an unused extra-pool slot
+from kvbench.methods.affine_base import FullPrecisionWindow, kv_bits_label
+from kvbench.methods.base import Method, MethodConfig, check_group, register_method
+from kvbench.quant.affine import ZERO_POINTS
 
 
 @dataclass
-class OTTConfig(MethodConfig):
+class OTTConfig(FullPrecisionWindow, MethodConfig):
     name: str = "ott"
     group_size: int = 128
     value_group_size: int | None = 32
@@ -118,24 +118,6 @@ class OTTConfig(MethodConfig):
     def check_model(self, shape):
         check_group("method.value_group_size", self.value_group_size, shape.head_dim, "head_dim")
 
-    def context_warnings(self, lengths):
-        return {
-            **super().context_warnings(lengths),
-            **covers_context("residual", self.residual, lengths, "the whole prompt stays in full precision"),
-        }
-
-
-class Pool(NamedTuple):
-    """Full-precision tokens ``k, v [B, H_kv, n, D]`` at positions ``pos [B, H_kv, n]`` (int32;
-    ``EMPTY`` marks an unused slot)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    pos: torch.Tensor
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v, self.pos]
-
 
 class Stored(NamedTuple):
     """What a layer holds, ready to attend: the dequantized cache ``qk, qv`` (float32, or None),
@@ -151,46 +133,22 @@ class Stored(NamedTuple):
     wv: torch.Tensor | None
 
 
-def place(x: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """``x [B, H, T, D]`` with ``tokens [B, H, n, D]`` written at ``pos [B, H, n]`` (slots at
-    ``EMPTY`` are skipped): they go to a scratch row past the end that is then dropped."""
-    t = x.shape[-2]
-    padded = torch.cat([x, x.new_zeros(*x.shape[:-2], 1, x.shape[-1])], dim=-2)
-    idx = torch.where(pos >= 0, pos, t).long()[..., None].expand(*pos.shape, x.shape[-1])
-    return padded.scatter(-2, idx, tokens.to(x.dtype))[..., :t, :]
-
-
-def additive_mask(attention_mask, q_len: int, kv_len: int, device) -> torch.Tensor:
-    """float32 ``[B|1, H|1, q, kv]``: 0 where a query may attend, -inf elsewhere. ``None`` is the
-    causal rule of the newest ``q_len`` tokens; a bool mask is True where attended; a float mask is
-    already additive."""
-    if attention_mask is None:
-        past = kv_len - q_len
-        allowed = (
-            torch.arange(kv_len, device=device)[None, :] <= past + torch.arange(q_len, device=device)[:, None]
-        )
-        attention_mask = allowed[None, None]
-    attention_mask = attention_mask[..., :kv_len]
-    if attention_mask.dtype == torch.bool:
-        zero = torch.zeros((), device=device)
-        return torch.where(attention_mask, zero, torch.tensor(float("-inf"), device=device))
-    return attention_mask.float()
-
-
-class OTTLayer(KIVILayer):
+class OTTLayer(KIVILayout):
     """KIVI's stores (``kq`` keys per channel over G tokens, ``k_res``/``v_res`` the full-precision
     tokens) with values per token over ``value_group_size`` channels, plus the outlier pools."""
 
     def __init__(self, layer_idx, cfg: OTTConfig, fp_dtype):
-        super().__init__(layer_idx, cfg, fp_dtype)
         # KIVI uses G for both axes; OTT's G is a token count, the value channel group is its own knob.
-        v_levels = cfg.levels(cfg.value_bits)
-        self.vq = QuantizedTokens(
-            v_levels,
-            "token",
+        super().__init__(
+            layer_idx,
+            cfg.levels(cfg.key_bits),
+            cfg.levels(cfg.value_bits),
+            cfg.group_size,
             cfg.value_group_size,
-            zero_point_for(cfg.zero_point, v_levels),
-            backend=cfg.backend,
+            cfg.residual,
+            cfg.zero_point,
+            fp_dtype,
+            cfg.backend,
         )
         self.pool_size = 0 if layer_idx < cfg.skip_layers else cfg.pool_size
         self.extra_pool_size = cfg.extra_pool_size
@@ -344,13 +302,7 @@ def three_part_attention(query, s: Stored, new_k, new_v, attention_mask, scaling
     wk, wv = cat_tokens(s.wk, new_k).float(), cat_tokens(s.wv, new_v).float()
     tq = 0 if s.qk is None else s.qk.shape[-2]
     kv_len = tq + wk.shape[-2]
-    mask = additive_mask(attention_mask, q_len, kv_len, query.device)
-    mb, mh = mask.shape[:2]
-    if mh == 1:
-        mask = mask.repeat(1, 1, rep, 1)
-    else:
-        mask = mask.reshape(mb, hk, rep * q_len, kv_len)
-    mask = mask.expand(b, hk, rep * q_len, kv_len)
+    mask = grouped_additive_mask(attention_mask, b, hk, rep, q_len, kv_len, query.device)
 
     scores, vals = [], []
     if tq:
@@ -385,11 +337,7 @@ def three_part_attention(query, s: Stored, new_k, new_v, attention_mask, scaling
 @register_method("ott")
 class OTT(Method):
     Config = OTTConfig
-
-    def make_layer(self, layer_idx, shape, model_dtype):
-        return OTTLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+    Layer = OTTLayer
 
     def label(self) -> str:
-        c = self.config
-        bits = f"{c.key_bits:g}b" if c.key_bits == c.value_bits else f"k{c.key_bits:g}v{c.value_bits:g}"
-        return f"ott-{bits}"
+        return f"ott-{kv_bits_label(self.config)}"

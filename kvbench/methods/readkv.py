@@ -53,19 +53,20 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from kvbench.cache import KVLayer
+from kvbench.cache.composite import CompositeLayer
 from kvbench.cache.fp import FullPrecisionTokens
-from kvbench.cache.layer import cat_tokens, merge_held
+from kvbench.cache.layer import cat_tokens
+from kvbench.cache.masks import grouped_additive_mask
 from kvbench.cache.quantized import QuantizedTokens
 from kvbench.config import is_int, is_number, require
-from kvbench.methods.base import Method, MethodConfig, check_group, covers_context, register_method
-from kvbench.methods.ott import additive_mask
+from kvbench.methods.affine_base import FullPrecisionWindow
+from kvbench.methods.base import Method, MethodConfig, check_group, register_method
 from kvbench.quant.packing import unpack
 from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
 
 
 @dataclass
-class ReadKVConfig(MethodConfig):
+class ReadKVConfig(FullPrecisionWindow, MethodConfig):
     """``bits``: stored code width B (integer 2..8). ``read_bits``: mean payload bits read per value
     per query (0 < read_bits <= bits; null: min(4, bits)). ``key_share``: fraction of the read
     budget spent on keys."""
@@ -76,11 +77,11 @@ class ReadKVConfig(MethodConfig):
     residual: int = 0
     key_share: float = 0.5
 
+    backends: ClassVar[tuple[str, ...]] = ("torch",)
     default_bits: ClassVar[float] = 8.0
 
     def __post_init__(self):
         super().__post_init__()
-        require(self.backend == "torch", "method.backend", self.backend, "readkv has only the torch backend")
         require(
             self.bits is not None and float(self.bits).is_integer() and 2 <= self.bits <= 8,
             "method.bits",
@@ -117,12 +118,6 @@ class ReadKVConfig(MethodConfig):
 
     def check_model(self, shape):
         check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")
-
-    def context_warnings(self, lengths):
-        return {
-            **super().context_warnings(lengths),
-            **covers_context("residual", self.residual, lengths, "the whole prompt stays in full precision"),
-        }
 
 
 class Codes(NamedTuple):
@@ -204,7 +199,7 @@ def query_adaptive_attention(
     return out, pk, pv
 
 
-class ReadKVLayer(KVLayer):
+class ReadKVLayer(CompositeLayer):
     def __init__(self, layer_idx, cfg: ReadKVConfig, fp_dtype):
         super().__init__(layer_idx)
         self.bits = int(cfg.bits)
@@ -213,8 +208,8 @@ class ReadKVLayer(KVLayer):
         levels = 2**self.bits
         self.kq = QuantizedTokens(levels, "channel", self.group)
         self.vq = QuantizedTokens(levels, "token", self.group)
-        self.k_buf = FullPrecisionTokens(fp_dtype)
-        self.v_buf = FullPrecisionTokens(fp_dtype)
+        self.k_res = FullPrecisionTokens(fp_dtype)
+        self.v_res = FullPrecisionTokens(fp_dtype)
         self.read_bits_total = 0
         self.read_values_total = 0
         self._pending: tuple | None = None  # (stored codes, buffer k, buffer v, new k, new v)
@@ -228,17 +223,17 @@ class ReadKVLayer(KVLayer):
         return self._view[1:]
 
     def append(self, keys, values):
-        self.k_buf.append(keys)
-        self.v_buf.append(values)
-        while len(self.k_buf) >= self.residual + self.group:
-            self.kq.append(self.k_buf.pop_front(self.group))
-            self.vq.append(self.v_buf.pop_front(self.group))
+        self.k_res.append(keys)
+        self.v_res.append(values)
+        while len(self.k_res) >= self.residual + self.group:
+            self.kq.append(self.k_res.pop_front(self.group))
+            self.vq.append(self.v_res.pop_front(self.group))
 
     def read(self):
         if not len(self.kq):
-            return self.k_buf.data, self.v_buf.data
+            return self.k_res.data, self.v_res.data
         _, _, k, v = self.view()
-        return cat_tokens(k, self.k_buf.data), cat_tokens(v, self.v_buf.data)
+        return cat_tokens(k, self.k_res.data), cat_tokens(v, self.v_res.data)
 
     def update(self, key_states, value_states, *args, **kwargs):
         self._pending = None
@@ -248,8 +243,8 @@ class ReadKVLayer(KVLayer):
             self._pending = (
                 kc,
                 vc,
-                self.k_buf.data,
-                self.v_buf.data,
+                self.k_res.data,
+                self.v_res.data,
                 key_states,
                 value_states,
             )
@@ -266,12 +261,7 @@ class ReadKVLayer(KVLayer):
         qf = query.float().reshape(b, hk, rep * q_len, d)  # query heads kv*rep + r share kv head kv
         exact_k, exact_v = cat_tokens(k_buf, new_k), cat_tokens(v_buf, new_v)
         kv_len = kc.codes.shape[-2] + exact_k.shape[-2]
-        mask = additive_mask(attention_mask, q_len, kv_len, query.device)
-        if mask.shape[1] == 1:
-            mask = mask.repeat(1, 1, rep, 1)
-        else:
-            mask = mask.reshape(mask.shape[0], hk, rep * q_len, kv_len)
-        mask = mask.expand(b, hk, rep * q_len, kv_len)
+        mask = grouped_additive_mask(attention_mask, b, hk, rep, q_len, kv_len, query.device)
         tq = kc.codes.shape[-2]
         kb, vb = budgets(self.read_bits, self.key_share, d, tq)
         scaling = kwargs.get("scaling") or module.scaling
@@ -288,23 +278,14 @@ class ReadKVLayer(KVLayer):
     def read_stats(self):
         return self.read_bits_total, self.read_values_total
 
-    def held_tensors(self):
-        residual = {"residual": self.k_buf.tensors() + self.v_buf.tensors()}
-        return merge_held(self.kq.held_tensors(), self.vq.held_tensors(), residual)
-
-    def quantized_values(self):
-        return self.kq.quantized_values() + self.vq.quantized_values()
-
-    def nominal_code_bits(self):
-        return self.kq.nominal_code_bits() + self.vq.nominal_code_bits()
-
 
 @register_method("readkv")
 class ReadKV(Method):
     Config = ReadKVConfig
-
-    def make_layer(self, layer_idx, shape, model_dtype):
-        return ReadKVLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+    # 6 stored bits: 8 + fp16 params (1 bit at G = 32) would not fit the contract's < FP16/2 check
+    contract_node = {"bits": 6, "read_bits": 3}
+    contract_error = 0.2
+    Layer = ReadKVLayer
 
     def base_label(self) -> str:
         c = self.config

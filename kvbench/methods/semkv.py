@@ -17,7 +17,8 @@ Importance metrics (``metric``), higher = more important = higher precision:
 
 - hidden state (per layer, one ranking shared by the layer's kv heads): ``hidden_norm`` = ||h_in||
   of the decoder layer's input hidden state at the token; ``hidden_change`` = ||h_out - h_in||.
-  Read by forward hooks on the decoder layers registered in :meth:`SemKV.prepare`.
+  Read by an :class:`~kvbench.cache.capture.OutputCapture` on the decoder layers, attached in
+  :meth:`SemKV.prepare`.
 - KV (per layer and kv head): ``key_norm`` = ||k|| (post-RoPE), ``value_norm`` = ||v||.
 - logit (model level, the same ranking in every layer): ``entropy`` = -sum_v p_i(v) log p_i(v) of
   the next-token distribution at position i; ``surprisal`` = -log p(x_i | x_<i), from the logits of
@@ -48,7 +49,7 @@ channels, :mod:`kvbench.quant.packing`), the base quantizer's parameters, and th
   (1 / (2 head_dim)) reproduces the paper's 2.39 nominal code bits -> ~2.65 effective bits; the
   packed bytes held here cost 8/3 bits per code for both L = 5 and 6 (3 codes per byte), which
   ``effective_bits`` reports as they are);
-- ``turboquant``: TurboQuant-MSE (:mod:`kvbench.methods.turboquant`: per-vector fp16 norm, seeded
+- ``turboquant``: TurboQuant-MSE (:mod:`kvbench.cache.rotated`: per-vector fp16 norm, seeded
   rotation per (layer, kv head), Lloyd-Max codebook of L levels); ``seeds`` is one int64 per layer.
 
 ``bits`` (the run's top-level knob) is the target average when ``target_bits`` is unset.
@@ -58,23 +59,34 @@ Only the torch backend exists; attention metrics need the layer's own ``attend``
 
 from __future__ import annotations
 
-import hashlib
 import math
-import re
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from kvbench.cache import KVLayer
+from kvbench.cache.capture import OutputCapture
+from kvbench.cache.composite import CompositeLayer
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens
 from kvbench.cache.quantized import QuantizedTokens
+from kvbench.cache.rotated import HeadRotations, RotatedCodes
 from kvbench.config import check_choice, is_int, is_number, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
-from kvbench.methods.turboquant import RotatedCodes, head_seed
-from kvbench.quant.lloyd_max import lloyd_max_codebook, random_rotation
+from kvbench.methods.semkv_metrics import (
+    APPEND_TIME_METRICS,
+    ATTENTION_METRICS,
+    HIDDEN_METRICS,
+    LOGIT_METRICS,
+    METRICS,
+    attention_update,
+    decoder_layers,
+    hidden_metric,
+    logit_scores,
+    metric_seed,
+)
 from kvbench.quant.mixed import (
     RunningAllocator,
     high_fraction,
@@ -85,14 +97,7 @@ from kvbench.quant.mixed import (
     unpack_mask,
 )
 
-HIDDEN_METRICS = ("hidden_norm", "hidden_change")
-KV_METRICS = ("key_norm", "value_norm")
-LOGIT_METRICS = ("entropy", "surprisal")
-ATTENTION_METRICS = ("attn_sum", "attn_max")
-METRICS = (*HIDDEN_METRICS, *KV_METRICS, *LOGIT_METRICS, *ATTENTION_METRICS, "random")
-APPEND_TIME_METRICS = (*KV_METRICS, "random")  # scored from what append receives
 BASES = ("uniform", "turboquant")
-LOGIT_CHUNK = 256  # positions per log-softmax when scoring logits (bounds memory at large vocab)
 
 
 def _positive_int(value) -> bool:
@@ -112,11 +117,10 @@ class SemKVConfig(MethodConfig):
     seed: int = 0
     query_chunk: int = 128
 
+    backends: ClassVar[tuple[str, ...]] = ("torch",)
     default_bits: ClassVar[float] = 2.39
 
     def __post_init__(self):
-        if self.backend == "triton":
-            raise ConfigError("method.backend", self.backend, "only torch is implemented for semkv")
         super().__post_init__()
         for key in ("high_levels", "low_levels"):
             value = getattr(self, key)
@@ -181,69 +185,6 @@ class SemKVConfig(MethodConfig):
         check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")
 
 
-def _seed(*parts) -> int:
-    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-# -- base quantizer stores -------------------------------------------------------------------------
-class AffineStore:
-    """Tokens of one level count under the affine per-token quantizer."""
-
-    def __init__(self, levels: int, group_size: int | None):
-        self.q = QuantizedTokens(levels, "token", group_size)
-        self.levels = levels
-
-    def append(self, x: torch.Tensor) -> None:
-        self.q.append(x)
-
-    def dequantize(self) -> torch.Tensor | None:
-        return self.q.dequantize() if len(self.q) else None
-
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return self.q.held_tensors()
-
-    def quantized_values(self) -> int:
-        return self.q.quantized_values()
-
-    def nominal_code_bits(self) -> float:
-        return self.q.nominal_code_bits()
-
-
-class RotatedStore:
-    """Tokens of one level count under TurboQuant-MSE; ``rotations`` are the layer's, per kv head."""
-
-    def __init__(self, levels: int, layer: SemKVLayer):
-        self.q = RotatedCodes(levels)
-        self.levels, self.layer = levels, layer
-        self.centroids: torch.Tensor | None = None
-
-    def _codebook(self, dim: int, device) -> torch.Tensor:
-        if self.centroids is None:
-            c, _ = lloyd_max_codebook(self.levels, dim)
-            self.centroids = torch.tensor(c, dtype=torch.float32, device=device)
-        return self.centroids
-
-    def append(self, x: torch.Tensor) -> None:
-        self.q.append(x, self.layer.rotations(x), self._codebook(x.shape[-1], x.device))
-
-    def dequantize(self) -> torch.Tensor | None:
-        if not len(self.q):
-            return None
-        return self.q.dequantize(self.layer.rotations(), self.centroids)
-
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        codes, norms = self.q.tensors()
-        return {"codes": codes, "norms": norms}
-
-    def quantized_values(self) -> int:
-        return self.q.quantized_values()
-
-    def nominal_code_bits(self) -> float:
-        return self.q.nominal_code_bits()
-
-
-# -- the layer --------------------------------------------------------------------------------------
 class SemKVLayer(KVLayer):
     def __init__(self, layer_idx: int, cfg: SemKVConfig, fp_dtype: torch.dtype):
         super().__init__(layer_idx)
@@ -256,26 +197,16 @@ class SemKVLayer(KVLayer):
         self.started = False  # the first unit (the prefill) has been allocated
         self.masks: list[torch.Tensor] = []  # packed allocation maps, one per unit
         self.unit_sizes: list[int] = []
-        self._rotations: torch.Tensor | None = None
         self._generator: torch.Generator | None = None
+        self.rotations = HeadRotations(cfg.seed, layer_idx) if cfg.base == "turboquant" else None
         if cfg.base == "uniform":
-            make = lambda levels: AffineStore(levels, cfg.group_size)  # noqa: E731
+            make = lambda levels: QuantizedTokens(levels, "token", cfg.group_size)  # noqa: E731
         else:
-            make = lambda levels: RotatedStore(levels, self)  # noqa: E731
-            self.seed_tensor = torch.tensor([cfg.seed], dtype=torch.int64)
+            make = lambda levels: RotatedCodes(levels, self.rotations)  # noqa: E731
+        # per K/V: (store of the tokens at L_hi, store of the tokens at L_lo)
         self.stores = {kv: (make(cfg.high_levels), make(cfg.low_levels)) for kv in ("k", "v")}
 
     # -- helpers ----------------------------------------------------------------------------------
-    def rotations(self, x: torch.Tensor | None = None) -> torch.Tensor:
-        if self._rotations is None:
-            heads, dim = x.shape[1], x.shape[-1]
-            self._rotations = torch.stack(
-                [
-                    random_rotation(dim, head_seed(self.cfg.seed, self.layer_idx, h), x.device)
-                    for h in range(heads)
-                ]
-            )
-        return self._rotations
 
     def pending(self) -> int:
         return len(self.k_pend)
@@ -293,7 +224,9 @@ class SemKVLayer(KVLayer):
         if self.metric == "value_norm":
             return values.float().norm(dim=-1)
         if self._generator is None:
-            self._generator = torch.Generator().manual_seed(_seed("semkv", self.cfg.seed, self.layer_idx))
+            self._generator = torch.Generator().manual_seed(
+                metric_seed("semkv", self.cfg.seed, self.layer_idx)
+            )
         b, h, t, _ = keys.shape
         return torch.rand(b, h, t, generator=self._generator).to(keys.device)
 
@@ -363,7 +296,8 @@ class SemKVLayer(KVLayer):
             stored = None
             if mask is not None:
                 high, low = self.stores[kv]
-                stored = merge_by_mask(mask, high.dequantize(), low.dequantize())
+                dequantized = CompositeLayer.dequantized
+                stored = merge_by_mask(mask, dequantized(high), dequantized(low))
             out.append(cat_tokens(stored, pend.data))
         return out[0], out[1]
 
@@ -390,8 +324,8 @@ class SemKVLayer(KVLayer):
         held["index"] = list(self.masks)
         held["residual"] = self.k_pend.tensors() + self.v_pend.tensors()
         held["scores"] = [] if self.scores is None else [self.scores]
-        if self.cfg.base == "turboquant":
-            held["seeds"] = [self.seed_tensor] if self._rotations is not None else []
+        if self.rotations is not None:
+            held["seeds"] = self.rotations.held_tensors()
         return held
 
     def quantized_values(self):
@@ -399,84 +333,6 @@ class SemKVLayer(KVLayer):
 
     def nominal_code_bits(self):
         return sum(s.nominal_code_bits() for pair in self.stores.values() for s in pair)
-
-
-def attention_update(
-    scores: torch.Tensor,
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    metric: str,
-    query_chunk: int,
-) -> torch.Tensor:
-    """Accumulate the attention the last ``P = scores.shape[-1]`` keys receive from ``query``.
-
-    ``scores [B, H_kv, P]``, ``query [B, H, q, D]``, ``keys [B, H_kv, kv, D]``; query head
-    ``g * rep + r`` reads kv head g. Weights are softmax(q k^T * scaling + mask) over all ``kv`` keys,
-    computed ``query_chunk`` queries at a time; ``attn_sum`` adds them over the group's query heads
-    and positions, ``attn_max`` takes their max. A boolean mask is True where attention is allowed;
-    no mask means causal with the queries as the last ``q`` positions."""
-    b, h, q, d = query.shape
-    hk, kv = keys.shape[1], keys.shape[-2]
-    p = scores.shape[-1]
-    rep = h // hk
-    qf = query.float().reshape(b, hk, rep, q, d)
-    kf = keys.float()
-    mask = None
-    if attention_mask is not None:
-        mask = attention_mask[..., :kv]
-        if mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, -math.inf)
-        mask = mask.float()
-        mask = mask.reshape(mask.shape[0], hk, rep, q, kv) if mask.shape[1] == h else mask[:, :, None]
-    out = scores.clone()
-    for s in range(0, q, query_chunk):
-        e = min(s + query_chunk, q)
-        logits = torch.einsum("bgrqd,bgkd->bgrqk", qf[:, :, :, s:e], kf) * scaling
-        if mask is not None:
-            logits = logits + mask[:, :, :, s:e]
-        elif q > 1:
-            pos = torch.arange(s, e, device=logits.device)[:, None] + (kv - q)
-            causal = torch.arange(kv, device=logits.device)[None, :] > pos
-            logits = logits.masked_fill(causal, -math.inf)
-        w = torch.nan_to_num(torch.softmax(logits, dim=-1)[..., kv - p :], nan=0.0)
-        if metric == "attn_sum":
-            out = out + w.sum(dim=(2, 3))
-        else:
-            out = torch.maximum(out, w.amax(dim=(2, 3)))
-    return out
-
-
-def logit_scores(
-    metric: str, logits: torch.Tensor, input_ids: torch.Tensor, prev_logprobs: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``scores [B, t]``, last position's log-probabilities ``[B, vocab]``) for ``logits [B, t, V]``.
-
-    ``entropy``: -sum_v p_i(v) log p_i(v). ``surprisal``: -log p_{i-1}(x_i), with ``prev_logprobs``
-    (the previous forward's last position) for i = 0, and +inf when there is none."""
-    b, t, _ = logits.shape
-    ids = input_ids.to(logits.device).long()
-    scores = torch.empty(b, t, device=logits.device)
-    last = None
-    for s in range(0, t, LOGIT_CHUNK):
-        e = min(s + LOGIT_CHUNK, t)
-        logp = torch.log_softmax(logits[:, s:e].float(), dim=-1)
-        if metric == "entropy":
-            scores[:, s:e] = -(logp.exp() * logp).sum(-1)
-        else:
-            # position i predicts token i + 1
-            nxt = ids[:, s + 1 : e + 1]
-            nll = -logp[:, : nxt.shape[1]].gather(-1, nxt[..., None])[..., 0]
-            scores[:, s + 1 : s + 1 + nxt.shape[1]] = nll
-        if e == t:
-            last = logp[:, -1]
-    if metric == "surprisal":
-        if prev_logprobs is None:
-            scores[:, 0] = math.inf
-        else:
-            scores[:, 0] = -prev_logprobs.gather(-1, ids[:, :1])[:, 0]
-    return scores, last
 
 
 def semkv_layers(cache) -> list[SemKVLayer]:
@@ -489,64 +345,49 @@ def semkv_layers(cache) -> list[SemKVLayer]:
     return out
 
 
-def decoder_layers(model, num_layers: int) -> list[torch.nn.Module]:
-    mods = [m for name, m in model.named_modules() if re.fullmatch(r"(.*\.)?layers\.\d+", name)]
-    if len(mods) != num_layers:
-        raise ConfigError(
-            "method.metric", "hidden", f"found {len(mods)} decoder layers for {num_layers} layers"
-        )
-    return mods
-
-
 @register_method("semkv")
 class SemKV(Method):
+    """Per-request state (the previous forward's last log-probabilities, for ``surprisal``) lives
+    here and is reset by :meth:`new_cache`, one cache per request."""
+
     Config = SemKVConfig
+    Layer = SemKVLayer
 
     def __init__(self, config: SemKVConfig):
         super().__init__(config)
-        self.hidden_scores: dict[int, torch.Tensor] = {}  # layer -> [B, t], from the last forward
-        self.hooks: list = []
+        self.hidden: OutputCapture | None = None  # decoder layer -> [B, t] scores of the last forward
+        self.last_logprobs: torch.Tensor | None = None
 
-    def make_layer(self, layer_idx, shape, model_dtype):
-        return SemKVLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+    def new_cache(self, shape, model_dtype):
+        self.last_logprobs = None
+        return super().new_cache(shape, model_dtype)
 
     def prepare(self, model, tokenizer, shape, data_root) -> None:
         if self.config.metric not in HIDDEN_METRICS:
             return
-        for handle in self.hooks:
-            handle.remove()
-        self.hooks = [
-            mod.register_forward_hook(self._hidden_hook(i), with_kwargs=True)
-            for i, mod in enumerate(decoder_layers(model, shape.num_layers))
-        ]
-
-    def _hidden_hook(self, idx: int):
-        def hook(_module, args, kwargs, output):
-            h_in = args[0] if args else kwargs["hidden_states"]
-            h_out = output[0] if isinstance(output, (tuple, list)) else output
-            h_in = h_in.detach().float()
-            x = h_in if self.config.metric == "hidden_norm" else h_out.detach().float() - h_in
-            self.hidden_scores[idx] = x.norm(dim=-1)
-
-        return hook
+        if self.hidden is not None:
+            self.hidden.close()
+        self.hidden = OutputCapture(
+            decoder_layers(model, shape.num_layers), hidden_metric(self.config.metric)
+        )
 
     def after_forward(self, cache, input_ids, logits) -> None:
         layers = semkv_layers(cache)
         metric = self.config.metric
         if metric in LOGIT_METRICS:
-            prev = getattr(cache, "semkv_last_logprobs", None)
-            scores, cache.semkv_last_logprobs = logit_scores(metric, logits, input_ids, prev)
+            scores, self.last_logprobs = logit_scores(metric, logits, input_ids, self.last_logprobs)
             for layer in layers:
                 layer.add_scores(scores)
         elif metric in HIDDEN_METRICS:
+            hidden = {} if self.hidden is None else self.hidden.records
             for layer in layers:
                 if layer.unscored:
-                    if layer.layer_idx not in self.hidden_scores:
+                    if layer.layer_idx not in hidden:
                         raise RuntimeError(
                             f"semkv: no hidden states for layer {layer.layer_idx} (no prepare?)"
                         )
-                    layer.add_scores(self.hidden_scores[layer.layer_idx])
-            self.hidden_scores.clear()
+                    layer.add_scores(hidden[layer.layer_idx])
+            hidden.clear()
         for layer in layers:
             layer.allocate()
 

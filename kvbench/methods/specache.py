@@ -2,8 +2,8 @@
 Generation of LLMs", ICML 2025, arXiv 2503.16163).
 
 The full-precision (FP16) KV cache ``C`` of every layer lives in host memory; the accelerator keeps a
-low-bit copy ``C'`` (KIVI's layout, reused from :mod:`kvbench.methods.kivi`: per-channel keys and
-per-token values in groups of G, an FP16 residual of the newest R tokens) and, for each decode step,
+low-bit copy ``C'`` (KIVI's layout, :class:`kvbench.cache.kivi_layout.KIVILayout`: per-channel keys
+and per-token values in groups of G, an FP16 residual of the newest R tokens) and, for each decode step,
 the k FP16 pairs ``C_K`` fetched for it.
 
 Quantizer (Sec. 4.3): KIVI's ``Q(X) = round((X - z_X) / s_X)``, ``X' = Q(X) s_X + z_X``; at 1 bit
@@ -59,10 +59,11 @@ from typing import ClassVar
 import torch
 
 from kvbench.cache import KVBenchCache
+from kvbench.cache.kivi_layout import KIVILayout
 from kvbench.cache.layer import cat_tokens, merge_held
 from kvbench.config import require
+from kvbench.methods.affine_base import AffineKVConfig, kv_bits_label
 from kvbench.methods.base import Method, covers_context, register_method
-from kvbench.methods.kivi import KIVIConfig, KIVILayer
 
 # Host buffers grow by this many tokens past the prompt, so that decoding reallocates rarely; the
 # spare capacity is held memory and is accounted.
@@ -70,7 +71,7 @@ HOST_BLOCK = 64
 
 
 @dataclass
-class SpeCacheConfig(KIVIConfig):
+class SpeCacheConfig(AffineKVConfig):
     name: str = "specache"
     topk: int = 64
     residual: int = 64
@@ -197,11 +198,11 @@ def grouped_attention(query, keys, values, attention_mask, scaling):
     return out.transpose(1, 2).contiguous().to(query.dtype), probs
 
 
-class SpeCacheLayer(KIVILayer):
+class SpeCacheLayer(KIVILayout):
     """KIVI storage on the accelerator, the FP16 cache on the host, and the prefetched rows."""
 
     def __init__(self, layer_idx, cfg: SpeCacheConfig, fp_dtype):
-        super().__init__(layer_idx, cfg, fp_dtype)
+        super().__init__(layer_idx, **cfg.layout(fp_dtype))
         self.topk = cfg.topk
         self.default_plan = Plan() if cfg.speculative else EXACT
         self.plan = self.default_plan
@@ -347,9 +348,9 @@ class SpeCacheCache(KVBenchCache):
 @register_method("specache")
 class SpeCache(Method):
     Config = SpeCacheConfig
-
-    def make_layer(self, layer_idx, shape, model_dtype):
-        return SpeCacheLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+    # the accelerator's low-bit copy is what read() returns; the FP16 host copy is not device memory
+    contract_node = {"bits": 2}
+    Layer = SpeCacheLayer
 
     def new_cache(self, shape, model_dtype) -> SpeCacheCache:
         return SpeCacheCache([self.make_layer(i, shape, model_dtype) for i in range(shape.num_layers)])
@@ -378,6 +379,5 @@ class SpeCache(Method):
 
     def base_label(self) -> str:
         c = self.config
-        bits = f"{c.key_bits:g}b" if c.key_bits == c.value_bits else f"k{c.key_bits:g}v{c.value_bits:g}"
         zp = "-minmax" if c.zero_point == "minmax" and 1.0 in (c.key_bits, c.value_bits) else ""
-        return f"specache-{bits}{zp}-k{c.topk}" + ("" if c.speculative else "-exact")
+        return f"specache-{kv_bits_label(c)}{zp}-k{c.topk}" + ("" if c.speculative else "-exact")

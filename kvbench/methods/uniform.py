@@ -19,20 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvbench.cache import KVLayer
+from kvbench.cache.composite import CompositeLayer
 from kvbench.cache.fp import FullPrecisionTokens
-from kvbench.cache.layer import cat_tokens, merge_held
 from kvbench.cache.quantized import QuantizedTokens
 from kvbench.config import check_choice, require
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
-
-AXES = ("token", "channel")
-ZERO_POINTS = ("minmax", "specache")
-
-
-def zero_point_for(choice: str, levels: int) -> str:
-    """SpeCache's zero point is defined for 1-bit codes; at more levels it is KIVI's min/max."""
-    return "specache" if choice == "specache" and levels == 2 else "minmax"
+from kvbench.quant.affine import AXES, ZERO_POINTS, zero_point_for
 
 
 @dataclass
@@ -64,56 +56,34 @@ class UniformConfig(MethodConfig):
             check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")
 
 
-class AxisStore:
-    """One of K or V: quantized tokens, plus a pending full-precision tail for per-channel groups."""
+class UniformLayer(CompositeLayer):
+    """``kq``/``vq`` hold the quantized tokens; ``k_res``/``v_res`` the pending tail of a per-channel
+    group (always empty on a per-token axis)."""
 
-    def __init__(self, levels, axis, group_size, zero_point, fp_dtype, backend):
-        zero_point = zero_point_for(zero_point, levels)
-        self.q = QuantizedTokens(levels, axis, group_size, zero_point, backend=backend)
-        self.pending = FullPrecisionTokens(fp_dtype)
-        self.axis, self.group_size = axis, group_size
-
-    def append(self, x):
-        if self.axis == "token":
-            self.q.append(x)
-            return
-        self.pending.append(x)
-        full = len(self.pending) // self.group_size * self.group_size
-        if full:
-            self.q.append(self.pending.pop_front(full))
-
-    def read(self):
-        return cat_tokens(self.q.dequantize() if len(self.q) else None, self.pending.data)
-
-
-class UniformLayer(KVLayer):
     def __init__(self, layer_idx, cfg: UniformConfig, fp_dtype):
         super().__init__(layer_idx)
         levels = cfg.levels()
-        self.k = AxisStore(levels, cfg.key_axis, cfg.group_size, cfg.zero_point, fp_dtype, cfg.backend)
-        self.v = AxisStore(levels, cfg.value_axis, cfg.group_size, cfg.zero_point, fp_dtype, cfg.backend)
+        zero_point = zero_point_for(cfg.zero_point, levels)
+        self.group_size = cfg.group_size
+        self.kq = QuantizedTokens(levels, cfg.key_axis, cfg.group_size, zero_point, backend=cfg.backend)
+        self.vq = QuantizedTokens(levels, cfg.value_axis, cfg.group_size, zero_point, backend=cfg.backend)
+        self.k_res, self.v_res = FullPrecisionTokens(fp_dtype), FullPrecisionTokens(fp_dtype)
+
+    def _store(self, store: QuantizedTokens, pending: FullPrecisionTokens, x) -> None:
+        if store.axis == "token":
+            store.append(x)
+            return
+        pending.append(x)
+        full = len(pending) // self.group_size * self.group_size
+        if full:
+            store.append(pending.pop_front(full))
 
     def append(self, keys, values):
-        self.k.append(keys)
-        self.v.append(values)
-
-    def read(self):
-        return self.k.read(), self.v.read()
-
-    def held_tensors(self):
-        residual = {"residual": self.k.pending.tensors() + self.v.pending.tensors()}
-        return merge_held(self.k.q.held_tensors(), self.v.q.held_tensors(), residual)
-
-    def quantized_values(self):
-        return self.k.q.quantized_values() + self.v.q.quantized_values()
-
-    def nominal_code_bits(self):
-        return self.k.q.nominal_code_bits() + self.v.q.nominal_code_bits()
+        self._store(self.kq, self.k_res, keys)
+        self._store(self.vq, self.v_res, values)
 
 
 @register_method("uniform")
 class Uniform(Method):
     Config = UniformConfig
-
-    def make_layer(self, layer_idx, shape, model_dtype):
-        return UniformLayer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
+    Layer = UniformLayer

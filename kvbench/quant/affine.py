@@ -19,9 +19,8 @@ import math
 import torch
 
 from kvbench.errors import ConfigError
+from kvbench.quant.levels import MAX_LEVELS, MIN_LEVELS, check_levels
 
-MIN_LEVELS = 2
-MAX_LEVELS = 256
 ZERO_POINTS = ("minmax", "specache")
 AXES = ("token", "channel")
 
@@ -55,13 +54,14 @@ def levels_for_bits(bits: float, key: str = "bits") -> int:
 
 def bits_for_levels(levels: int) -> float:
     """Bit width ``log2(levels)`` of a level count (information content, not storage cost)."""
-    _check_levels(levels)
+    check_levels(levels)
     return math.log2(levels)
 
 
-def _check_levels(levels: int) -> None:
-    if isinstance(levels, bool) or not isinstance(levels, int) or not MIN_LEVELS <= levels <= MAX_LEVELS:
-        raise ValueError(f"levels must be an int in {MIN_LEVELS}..{MAX_LEVELS}, got {levels!r}")
+def zero_point_for(choice: str, levels: int) -> str:
+    """The zero point a store of ``levels`` codes uses when the user chose ``choice``: SpeCache's is
+    defined for 1-bit codes only, so at more levels it falls back to KIVI's min/max."""
+    return "specache" if choice == "specache" and levels == 2 else "minmax"
 
 
 def affine_params(
@@ -80,7 +80,7 @@ def affine_params(
     Returns:
         ``(scale, zero)``, each float32 ``[..., 1]``.
     """
-    _check_levels(levels)
+    check_levels(levels)
     if zero_point not in ZERO_POINTS:
         raise ConfigError("zero_point", zero_point, "one of " + ", ".join(ZERO_POINTS))
     if zero_point == "specache" and levels != 2:
@@ -107,7 +107,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: i
     Returns:
         uint8 codes, shape of ``x`` broadcast with the parameters.
     """
-    _check_levels(levels)
+    check_levels(levels)
     x, scale, zero = x.float(), scale.float(), zero.float()
     flat = scale == 0
     # Divide by 1 where s == 0 so the discarded branch of the where cannot make NaN/inf.

@@ -40,13 +40,11 @@ import torch
 from scipy.linalg import solve_banded
 from scipy.special import betainc, betaincinv, betaln
 
-MIN_LEVELS = 2
-MAX_LEVELS = 256
+from kvbench.quant.levels import check_levels
 
 
 def _check(levels: int, dim: int) -> None:
-    if isinstance(levels, bool) or not isinstance(levels, int) or not MIN_LEVELS <= levels <= MAX_LEVELS:
-        raise ValueError(f"levels must be an int in {MIN_LEVELS}..{MAX_LEVELS}, got {levels!r}")
+    check_levels(levels)
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
         raise ValueError(f"dim must be an int >= 2, got {dim!r}")
 

@@ -109,3 +109,10 @@ def kmeans_1d(values: torch.Tensor, levels: int, iters: int = 100) -> torch.Tens
             break
         c = new
     return torch.sort(c).values
+
+
+def key_outliers(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fraction: float):
+    """Key outliers: elements outside the calibrated ``[zero - scale, zero + scale]`` of their channel."""
+    if fraction <= 0:
+        return None
+    return (x.float() - zero.float()).abs() > scale.float()

@@ -24,18 +24,12 @@ import math
 
 import torch
 
-MIN_LEVELS = 2
-MAX_LEVELS = 256
-
-
-def _check_levels(levels: int) -> None:
-    if isinstance(levels, bool) or not isinstance(levels, int) or not MIN_LEVELS <= levels <= MAX_LEVELS:
-        raise ValueError(f"levels must be an int in {MIN_LEVELS}..{MAX_LEVELS}, got {levels!r}")
+from kvbench.quant.levels import check_levels
 
 
 def chunk_layout(levels: int) -> tuple[int, int]:
     """``(codes, bytes)`` of one chunk for a level count: ``(8, 3)`` for L = 8, ``(5, 1)`` for L = 3."""
-    _check_levels(levels)
+    check_levels(levels)
     if levels & (levels - 1) == 0:
         bits = levels.bit_length() - 1
         span = math.lcm(bits, 8)

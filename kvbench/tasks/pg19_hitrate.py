@@ -13,28 +13,34 @@ with greedy (H2O-like) eviction; this task adds SpeCache's own predictor. Polici
 set, as a repeat-kv implementation would), with the hit rate averaged over query heads:
 
 - ``exact_topk``: the top-k of ``p_t`` itself (an upper bound no other k-set can beat).
-- ``h2o``: greedy eviction by accumulated attention (H2O, Zhang et al. 2023, Algorithm 1 plus its
-  recent window). The cache is simulated from the window's first token with budget ``k``: each
-  query attends the kept entries plus itself, its softmax over that set is added to every kept
-  entry's accumulated score, then the lowest-scored entry outside the recent window is evicted for
-  good. ``r = max(1, round(h2o_recent_ratio * k))`` of the ``k`` entries are the newest tokens (the
-  current one included); the rest are the heavy hitters.
+- ``h2o``: the registered ``h2o`` method (H2O, Zhang et al. 2023: accumulated attention, greedy
+  eviction, a recent window; :mod:`kvbench.methods.h2o`), driven with the captured queries, keys
+  and values of each layer (:func:`kvbench.cache.capture.replay`): the prompt (the window's tokens
+  before the decode positions) is attended exactly and compressed, then every decode position is
+  stored and attended by its own query, evicting back to the budget. Its cache keeps ``k - 1``
+  tokens so that each decode query attends ``k`` entries, itself included (``k = 1``: itself alone);
+  ``r = max(1, round(h2o_recent_ratio * k))`` of those ``k`` are the newest tokens (the method's
+  ``window`` is ``r - 1``, the current token being the r-th). H2O shares one kept set per KV head
+  (its scores sum the attention of the query heads that read it); the hit rate is still measured
+  per query head.
 - ``specache``: SpeCache's prediction. The speculative token for position ``t`` is the model's
   greedy prediction there (argmax of the logits at ``t-1``), fed at position ``t`` after the true
-  tokens ``0..t-1``. Its post-RoPE query scores the keys, of which the stored part is low-bit: keys
-  are quantized per channel in groups of ``G`` tokens (KIVI), with SpeCache's 1-bit zero point
-  ``z = (3 min + max) / 4``, ``s = (max - min) / 2`` when asked; as in KIVI the newest tokens sit in
-  a full-precision residual, so ``R * floor((t-1) / R)`` keys are low-bit and the token of the same
-  forward (``t-1``) and the speculative token's own key are exact. The set is the top-k of those
+  tokens ``0..t-1``. Its post-RoPE query scores the keys as SpeCache's low-bit copy holds them: the
+  registered ``kivi`` method (``spec_bits``, groups of ``G`` tokens per key channel, residual ``R``,
+  SpeCache's 1-bit zero point ``z = (3 min + max) / 4``, ``s = (max - min) / 2`` when asked), fed
+  the tokens stored before that forward (``0..t-2``): the keys it has quantized are low-bit, the
+  rest of its residual exact, and the token of the same forward (``t-1``) and the speculative
+  token's own key are exact. The set is the top-k of those
   scores (SpeCache Algorithm 3, ``ArgTopK(A_{1,:})``); the hit rate is measured on the true query
   ``t``'s full attention (the speculative key at ``t`` stands for the true token's key there).
 
 What is real and what is simulated. Queries and keys are the model's own: one teacher-forced
-forward over the window through a capturing kvbench cache (queries arrive post-RoPE, like the
-keys), then one single-token forward per decode position for the speculative token, over the same
-exact prefix. The policies are then simulated on those tensors, layer by layer. The run's method
-cache is never read, so the task accepts only the ``fp16`` method (the label must not suggest a
-quantized run). Simplifications against a full SpeCache pipeline, all recorded here: the
+forward over the window through an exact cache (the registered ``fp16`` method in the model's
+dtype), recorded by :func:`kvbench.cache.capture.capture_attention` (queries arrive post-RoPE, like
+the keys), then one single-token forward per decode position for the speculative token, over the
+same exact prefix. The policies then run on those tensors, layer by layer. The run's method cache
+is never read, so the task accepts only the FP16 baseline (the label must not suggest a quantized
+run). Simplifications against a full SpeCache pipeline, all recorded here: the
 speculative token is the prediction from the exact prefix (in the pipeline it comes from the
 previous speculative token, so it can only be worse), its query comes from an exact forward (not
 from the low-bit cache), and the 16-bit keys prefetched for the previous step, which SpeCache swaps
@@ -55,12 +61,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvbench.cache import KVBenchCache, KVLayer
+from kvbench.cache.capture import capture_attention, replay
 from kvbench.config import check_choice, is_int, is_number, require
 from kvbench.errors import ConfigError
-from kvbench.quant.affine import ZERO_POINTS, dequantize_grouped, levels_for_bits, quantize_grouped
+from kvbench.methods import ModelShape, build_method
+from kvbench.quant.affine import ZERO_POINTS, levels_for_bits
 from kvbench.tasks.base import Task, TaskConfig, register_task
 from kvbench.tasks.perplexity import data_file, load_text
 
@@ -112,116 +118,81 @@ def topk_hit_rates(probs: torch.Tensor, scores: torch.Tensor, ks: list[int]) -> 
 def h2o_hit_rates(
     q: torch.Tensor,
     keys: torch.Tensor,
+    values: torch.Tensor,
     scaling: float,
     budgets: list[int],
     recents: list[int],
     start: int,
-    block: int = 128,
 ) -> torch.Tensor:
-    """Greedy accumulated-attention eviction (H2O) over a whole window, one query head at a time.
+    """Hit rates of the registered ``h2o`` method over one layer's captured tensors.
 
     Args:
-        q: ``[H, N, D]`` the queries of every position (post-RoPE).
-        keys: ``[H_kv, N, D]``.
-        budgets, recents: per budget, ``k`` entries attended by each query (its own key included)
-            and ``r`` of them reserved for the newest tokens (``1 <= r <= k``).
-        start: first position whose hit rate is returned.
+        q: ``[H, N, D]`` the queries of every position (post-RoPE); ``keys``/``values [H_kv, N, D]``.
+        budgets, recents: per budget, ``k`` entries attended by each decode query (its own key
+            included) and ``r`` of them the newest tokens (``1 <= r <= k``).
+        start: the first decode position: positions before it are the prompt.
 
-    At position ``t`` the query attends ``kept U {t}`` (``min(t+1, k)`` entries); its softmax over
-    that set is added to the accumulated score of each entry; then, while more than ``k - 1``
-    entries are kept, the lowest-scored one older than the next step's recent window
-    (position ``<= t + 1 - r``) is dropped and never comes back.
+    Each budget gets its own H2O cache layer (budget ``k - 1``, window ``r - 1``), fed the prompt in
+    one forward and then each decode position (module docstring); the attended set of decode query
+    ``t`` is what the layer holds when that query attends (``record_positions``). ``k = 1`` is the
+    current token alone.
 
     Returns float32 ``[len(budgets), N - start, H]``: the full-attention mass of the attended set.
     """
-    heads, n, _ = q.shape
-    kr = keys.float().repeat_interleave(heads // keys.shape[0], dim=0)  # [H, N, D]
-    nb = len(budgets)
-    dev = q.device
-    k_cap = torch.tensor(budgets, device=dev)[:, None]  # [S, 1]
-    r_lim = torch.tensor(recents, device=dev)[:, None, None]  # [S, 1, 1]
-    score = torch.zeros(nb, heads, n, device=dev)
-    kept = torch.zeros(nb, heads, n, dtype=torch.bool, device=dev)
-    pos = torch.arange(n, device=dev)
-    out = torch.empty(nb, n - start, heads, device=dev)
-    for b0 in range(0, n, block):
-        b1 = min(n, b0 + block)
-        logits = (q[:, b0:b1].float() @ kr.transpose(-1, -2)) * scaling  # [H, B, N]
-        for t in range(b0, b1):
-            row = logits[:, t - b0, : t + 1]  # [H, t+1]
-            kept[:, :, t] = True  # the current token is always attended
-            mask = kept[:, :, : t + 1]
-            attn = torch.softmax(row.masked_fill(~mask, float("-inf")), dim=-1)  # [S, H, t+1]
-            score[:, :, : t + 1] += attn
-            if t >= start:
-                full = torch.softmax(row, dim=-1)
-                out[:, t - start] = (full * mask).sum(-1)
-            # The cache holds min(t+1, k) entries now; after this step it may keep k - 1, so that
-            # the next token brings it back to k.
-            evict = (t + 1) > (k_cap[:, 0] - 1)  # [S]
-            if t + 2 > min(budgets):  # any budget full (no device sync)
-                cand = mask & (pos[: t + 1] <= t + 1 - r_lim)
-                victim = score[:, :, : t + 1].masked_fill(~cand, float("inf")).argmin(dim=-1, keepdim=True)
-                still = kept.gather(-1, victim) & ~evict[:, None, None]
-                kept.scatter_(-1, victim, still)
+    heads, n, d = q.shape
+    groups = heads // keys.shape[0]
+    positions = torch.arange(start, n, device=q.device)
+    probs = causal_probs(q[:, start:], keys, positions, scaling)  # [H, M, N]
+    shape = ModelShape(num_layers=1, num_heads=heads, num_kv_heads=keys.shape[0], head_dim=d)
+    out = torch.empty(len(budgets), n - start, heads, device=q.device)
+    for i, (k, r) in enumerate(zip(budgets, recents, strict=True)):
+        if k == 1:  # the current token alone: nothing is cached (H2O's smallest cache holds one token)
+            out[i] = probs[:, torch.arange(n - start), positions].transpose(0, 1)
+            continue
+        cache_budget = k - 1
+        method = build_method(
+            {"name": "h2o", "budget": cache_budget, "window": min(r - 1, cache_budget), "fp_dtype": "auto"}
+        )
+        layer = method.new_cache(shape, keys.dtype).layers[0]
+        layer.record_positions = True
+
+        def measure(t, layer, i=i):
+            attended = torch.zeros(keys.shape[0], n, device=q.device)
+            attended.scatter_(-1, layer.positions[0].to(q.device), 1.0)  # [H_kv, N]
+            mask = attended.repeat_interleave(groups, dim=0)  # [H, N]
+            out[i, t - start] = (probs[:, t - start] * mask).sum(-1)
+
+        replay(
+            layer, q[None], keys[None], values[None], start, n - start, scaling,
+            attend_prefill=True, before_attend=measure,
+        )  # fmt: skip
     return out
 
 
-def lowbit_keys(
-    keys: torch.Tensor, bits: float, group_size: int, zero_point: str, residual: int, stored: int
-) -> torch.Tensor:
-    """The keys ``[H_kv, N, D]`` as the speculative query sees them when ``stored`` tokens are in the
-    cache: the oldest ``R * floor(stored / R)`` (KIVI's flushed part) are quantized per channel in
-    groups of ``group_size`` tokens and dequantized; the rest are exact. float32 ``[H_kv, N, D]``."""
-    n_q = residual * (stored // residual)
-    out = keys.float().clone()
-    if n_q:
-        levels = levels_for_bits(bits, "task.spec_bits")
-        codes, scale, zero = quantize_grouped(keys[:, :n_q], levels, "channel", group_size, zero_point)
-        out[:, :n_q] = dequantize_grouped(codes, scale, zero, "channel", group_size)
-    return out
-
-
-# --- capture ----------------------------------------------------------------------------------------
-
-
-class CaptureLayer(KVLayer):
-    """Exact storage (the model's dtype) that records the queries and keys its attention sees, and
-    can rewind to any prefix of the tokens it stored in the first forward (so single-token
-    speculative forwards can be fed one after another over the same exact prefix)."""
-
-    def __init__(self, layer_idx: int, record: bool):
-        super().__init__(layer_idx)
-        self.record = record
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.first: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.query: torch.Tensor | None = None  # [B, H, q, D] of the last forward
-        self.keys: torch.Tensor | None = None  # [B, H_kv, T, D] of the last forward
-        self.scaling: float | None = None
-
-    def append(self, keys, values):
-        self.k = keys if self.k is None else torch.cat([self.k, keys], dim=-2)
-        self.v = values if self.v is None else torch.cat([self.v, values], dim=-2)
-        if self.first is None:
-            self.first = (self.k, self.v)
-
-    def read(self):
-        return self.k, self.v
-
-    def held_tensors(self):
-        return {"fp": [t for t in (self.k, self.v) if t is not None]}
-
-    def rewind(self, n: int) -> None:
-        """Keep the first ``n`` tokens of the first forward."""
-        k, v = self.first
-        self.k, self.v, self.num_tokens = k[..., :n, :], v[..., :n, :], n
-
-    def attend(self, module, query, keys, values, attention_mask, **kwargs):
-        if self.record:
-            self.query, self.keys = query.detach(), keys.detach()
-            self.scaling = float(kwargs.get("scaling") or module.scaling)
-        return sdpa_attention_forward(module, query, keys, values, attention_mask, **kwargs)
+def kivi_lowbit_keys(
+    keys: torch.Tensor, values: torch.Tensor, node: dict[str, Any], start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys ``[H_kv, N, D]`` as the registered ``kivi`` method ``node`` holds them for the
+    speculative forwards at positions ``start .. N-1``: a layer fed the tokens ``0..t-2`` before
+    position ``t``. Returns float32 ``[H_kv, N, D]`` (the layer's reconstruction of the tokens it
+    last held, then the exact keys) and, per decode position, how many of the oldest keys it held
+    in low bits (``[N - start]``, int64). Per-channel groups are aligned to position 0, so the
+    codes of every shorter prefix are a slice of the last one."""
+    n = keys.shape[1]
+    method = build_method(node)
+    shape = ModelShape(
+        num_layers=1, num_heads=keys.shape[0], num_kv_heads=keys.shape[0], head_dim=keys.shape[-1]
+    )
+    layer = method.new_cache(shape, keys.dtype).layers[0]
+    k, v = keys[None], values[None]
+    layer.update(k[:, :, : start - 1], v[:, :, : start - 1])
+    flushed = [len(layer.kq)]
+    for t in range(start + 1, n):
+        layer.update(k[:, :, t - 2 : t - 1], v[:, :, t - 2 : t - 1])
+        flushed.append(len(layer.kq))
+    held, _ = layer.read()
+    low = torch.cat([held[0].float(), keys[:, held.shape[-2] :].float()], dim=1)
+    return low, torch.tensor(flushed, device=keys.device)
 
 
 @dataclass
@@ -230,6 +201,7 @@ class Captured:
 
     queries: dict[int, torch.Tensor]  # layer -> [H, N, D] queries of every position
     keys: dict[int, torch.Tensor]  # layer -> [H_kv, N, D]
+    values: dict[int, torch.Tensor]  # layer -> [H_kv, N, D]
     spec_queries: dict[int, torch.Tensor]  # layer -> [H, M, D] speculative queries at the decode positions
     spec_keys: dict[int, torch.Tensor]  # layer -> [H_kv, M, D] the speculative tokens' own keys
     scaling: dict[int, float]
@@ -248,39 +220,55 @@ def capture(
 ) -> Captured:
     """Teacher-forced forward over ``ids`` (N tokens), then one speculative forward per decode
     position ``t`` in ``[N - decode, N)``: the greedy prediction for ``t`` (or ``speculative[j]``
-    when given) fed at ``t`` after the exact keys and values of ``0..t-1``."""
+    when given) fed at ``t`` after the exact keys and values of ``0..t-1``. The cache is the
+    registered ``fp16`` method in the model's dtype (exact); attention is recorded by
+    :func:`~kvbench.cache.capture.capture_attention`."""
     device = next(model.parameters()).device
-    record = set(layers)
-    cache = KVBenchCache([CaptureLayer(i, i in record) for i in range(num_layers)])
+    config = model.config.get_text_config()
+    shape = ModelShape(
+        num_layers=num_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+    )
+    exact = build_method({"name": "fp16", "fp_dtype": "auto"})
     n = len(ids)
     start = n - decode
-    # Only the logits that predict the decode positions are needed (the full [N, vocab] is large).
-    out = model(
-        input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True, logits_to_keep=decode + 1
-    )
+    with capture_attention() as first:
+        # Only the logits that predict the decode positions are needed (the full [N, vocab] is large).
+        out = model(
+            input_ids=torch.tensor([ids], device=device),
+            cache=exact.new_cache(shape, model.dtype),
+            use_cache=True,
+            logits_to_keep=decode + 1,
+        )
     spec = out.logits[0, :-1].float().argmax(dim=-1).tolist()  # predictions for start..n-1
     if speculative is not None:
         spec = list(speculative)
-    queries = {i: cache.layers[i].query[0] for i in layers}
-    keys = {i: cache.layers[i].keys[0] for i in layers}
-    scaling = {i: cache.layers[i].scaling for i in layers}
+    rec = first.records
     spec_q: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
     spec_k: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
     for j, t in enumerate(range(start, n)):
-        for layer in cache.layers:
-            layer.rewind(t)
-        model(
-            input_ids=torch.tensor([[spec[j]]], device=device), cache=cache, use_cache=True, logits_to_keep=1
-        )
+        cache = exact.new_cache(shape, model.dtype)
+        for i, layer in enumerate(cache.layers):  # the exact prefix 0..t-1 of the first forward
+            layer.update(rec[i].keys[..., :t, :], rec[i].values[..., :t, :])
+        with capture_attention(layers) as step:
+            model(
+                input_ids=torch.tensor([[spec[j]]], device=device),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         for i in layers:
-            spec_q[i].append(cache.layers[i].query[0, :, -1])
-            spec_k[i].append(cache.layers[i].keys[0, :, -1])
+            spec_q[i].append(step.records[i].query[0, :, -1])
+            spec_k[i].append(step.records[i].keys[0, :, -1])
     return Captured(
-        queries=queries,
-        keys=keys,
+        queries={i: rec[i].query[0] for i in layers},
+        keys={i: rec[i].keys[0] for i in layers},
+        values={i: rec[i].values[0] for i in layers},
         spec_queries={i: torch.stack(spec_q[i], dim=1) for i in layers},
         spec_keys={i: torch.stack(spec_k[i], dim=1) for i in layers},
-        scaling=scaling,
+        scaling={i: rec[i].scaling for i in layers},
         spec_tokens=spec,
         true_tokens=ids[start:],
     )
@@ -294,7 +282,7 @@ class HitRateConfig(TaskConfig):
     """Lengths in tokens of the model's tokenizer. See the module docstring for every policy."""
 
     name: str = "pg19_hitrate"
-    version: int = 1
+    version: int = 2
     pg19_book: str = "10146"
     context_length: int = 2048
     windows: int = 4
@@ -385,12 +373,19 @@ def layer_hit_rates(cap: Captured, layer: int, cfg: HitRateConfig) -> dict[str, 
     # so quantizing the longest flushed prefix once gives every shorter prefix's codes as a slice.
     heads = q.shape[0]
     groups = heads // keys.shape[0]
-    low = lowbit_keys(keys, cfg.spec_bits, cfg.spec_group_size, cfg.spec_zero_point, cfg.spec_residual, n - 1)
+    kivi = {
+        "name": "kivi",
+        "bits": cfg.spec_bits,
+        "group_size": cfg.spec_group_size,
+        "residual": cfg.spec_residual,
+        "zero_point": cfg.spec_zero_point,
+        "fp_dtype": "auto",
+    }
+    low, flushed = kivi_lowbit_keys(keys, cap.values[layer], kivi, start)  # flushed: [M]
     sq = cap.spec_queries[layer].float()  # [H, M, D]
     s_low = (sq @ low.repeat_interleave(groups, dim=0).transpose(-1, -2)) * scaling  # [H, M, N]
     s_exact = (sq @ keys.float().repeat_interleave(groups, dim=0).transpose(-1, -2)) * scaling
     own = (sq * cap.spec_keys[layer].float().repeat_interleave(groups, dim=0)).sum(-1) * scaling  # [H, M]
-    flushed = cfg.spec_residual * ((positions - 1) // cfg.spec_residual)  # [M] low-bit keys at each t
     col = torch.arange(n, device=q.device)[None, :]
     spec_scores = torch.where(col < flushed[:, None], s_low, s_exact)
     spec_scores = torch.where(col == positions[:, None], own[:, :, None], spec_scores)
@@ -398,7 +393,7 @@ def layer_hit_rates(cap: Captured, layer: int, cfg: HitRateConfig) -> dict[str, 
     spec = topk_hit_rates(probs, spec_scores, ks)  # [S, H, M]
 
     recents = [recent_size(k, cfg.h2o_recent_ratio) for k in ks]
-    h2o = h2o_hit_rates(q, keys, scaling, ks, recents, start)  # [S, M, H]
+    h2o = h2o_hit_rates(q, keys, cap.values[layer], scaling, ks, recents, start)  # [S, M, H]
     return {"exact_topk": exact.transpose(1, 2), "h2o": h2o, "specache": spec.transpose(1, 2)}
 
 
@@ -446,11 +441,11 @@ class PG19HitRate(Task):
 
     def run(self, sample: dict[str, Any], runner) -> dict[str, Any]:
         c = self.config
-        name = getattr(runner.method, "registered_name", None)
-        if name != "fp16" or runner.method.config.sink_tokens:
+        label = runner.method.label()
+        if label != build_method(None).label():  # the baseline the registry builds for no method
             raise ConfigError(
                 "method",
-                name,
+                label,
                 "fp16 only: pg19_hitrate measures the model's exact attention and never reads "
                 "the method's cache",
             )
@@ -466,7 +461,7 @@ class PG19HitRate(Task):
                 means = rates[p].mean(dim=(1, 2))  # over query heads and positions
                 for k, v in zip(keys, means.tolist(), strict=True):
                     by_layer[p][k].append(v)
-            del cap.queries[layer], cap.keys[layer]  # free memory as we go
+            del cap.queries[layer], cap.keys[layer], cap.values[layer]  # free memory as we go
         hit_rates = {p: {k: sum(v) / len(v) for k, v in by_layer[p].items()} for p in POLICIES}
         agree = sum(a == b for a, b in zip(cap.spec_tokens, cap.true_tokens, strict=True))
         return {

@@ -64,3 +64,40 @@ def test_quantizing_methods_hold_less_than_fp16(node):
     assert fp16.effective_bits == 16.0 and fp16.total_bytes == fp16.fp16_bytes
     assert report.total_bytes < 0.35 * fp16.total_bytes
     assert report.tokens == 605
+
+
+def test_host_and_prefetch_hooks_are_declared_with_defaults():
+    """Every layer answers the two offload hooks: a layer that keeps nothing on the host reports no
+    host bytes and no prefetch; a sink wrapper passes its inner layer's answers on."""
+    from kvbench.cache.fp import FullPrecisionTokens
+    from kvbench.cache.layer import KVLayer
+    from kvbench.cache.sink import SinkLayer
+
+    class Offloading(KVLayer):
+        def __init__(self):
+            super().__init__(0)
+            self.host = FullPrecisionTokens(torch.float16)
+
+        def append(self, keys, values):
+            self.host.append(keys)
+
+        def read(self):
+            return self.host.data, self.host.data
+
+        def held_tensors(self):
+            return {}
+
+        def host_tensors(self):
+            return {"host_fp": self.host.tensors()}
+
+        def prefetch_stats(self):
+            return 3, 12, 96
+
+    plain = filled_cache({"name": "kivi", "bits": 2}, 64)
+    assert plain.host_bytes == 0 and plain.prefetch_steps == 0 and plain.prefetch_bytes_per_step is None
+    for layer in (Offloading(), SinkLayer(Offloading(), 1, torch.float16)):
+        layer.update(*torch.randn(2, 1, 3, 5, 64).unbind(0))
+        report = memory_report([layer])
+        host_tokens = 5 if isinstance(layer, Offloading) else 4  # the sink keeps the first token
+        assert report.host_bytes == 3 * host_tokens * 64 * 2
+        assert report.prefetch_steps == 3 and report.prefetch_bytes_per_step == 32

@@ -276,3 +276,37 @@ def test_generation_with_budget_above_the_context_is_fp16_token_for_token(defaul
     runner.forward(torch.tensor([[reference.token_ids[0]]]), cache)
     assert cache.get_seq_length() == ids.shape[1] + 1
     assert all(layer.kept == 16 for layer in cache.layers)
+
+
+def test_recorded_positions_follow_the_kept_tokens_and_are_not_accounted():
+    """StreamingLLM with 4 sinks and a budget of 6 keeps positions 0-3 and the newest two; the
+    positions a measurement asks for are bookkeeping, not held memory."""
+    from kvbench.cache.capture import replay
+
+    shape = ModelShape(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 18, 8), torch.randn(1, 1, 18, 8), torch.randn(1, 1, 18, 8)
+    layer = build_method({"name": "streamingllm", "budget": 6}).new_cache(shape, torch.float32).layers[0]
+    layer.record_positions = True
+    seen = []
+    replay(
+        layer,
+        q,
+        k,
+        v,
+        15,
+        3,
+        0.35,
+        attend_prefill=True,
+        before_attend=lambda t, lay: seen.append(lay.positions),
+    )
+    assert [p[0, 0].tolist() for p in seen] == [
+        [0, 1, 2, 3, 13, 14, 15],
+        [0, 1, 2, 3, 14, 15, 16],
+        [0, 1, 2, 3, 15, 16, 17],
+    ]
+    assert layer.positions[0, 0].tolist() == [0, 1, 2, 3, 16, 17]
+    assert all(t is not layer.positions for ts in layer.held_tensors().values() for t in ts)
+    plain = build_method({"name": "streamingllm", "budget": 6}).new_cache(shape, torch.float32).layers[0]
+    replay(plain, q, k, v, 15, 3, 0.35, attend_prefill=True)
+    assert plain.positions is None and torch.equal(plain.k, layer.k)

@@ -28,7 +28,7 @@ def test_sink_tokens_are_exact_and_first():
     assert torch.equal(rk[:, :, :4], k[:, :, :4]) and torch.equal(rv[:, :, :4], v[:, :, :4])
     plain, _ = fill({"name": "uniform", "bits": 1, "fp_dtype": "auto"}, k[:, :, 4:], v[:, :, 4:], [36])
     assert torch.equal(rk[:, :, 4:], plain.read()[0])  # the rest is exactly what the base stores
-    assert len(layer.inner.k.q) == 36 and layer.num_tokens == 40
+    assert len(layer.inner.kq) == 36 and layer.num_tokens == 40
 
 
 def test_update_returns_sink_stored_past_and_exact_new_token():

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kvbench.cache import memory_report
+from kvbench.cache.dense_sparse import DenseSparseTokens
 from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape, build_method
-from kvbench.methods.kvquant import DenseSparseTokens, LayerCalibration, calibrate_layer
+from kvbench.methods.kvquant_calibration import LayerCalibration, calibrate_layer
 from kvbench.quant.nuq import channel_thresholds, kmeans_1d, nearest_code, topk_outlier_mask
 from kvbench.quant.rope import apply_rope, invert_rope
 

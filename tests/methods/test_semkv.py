@@ -10,7 +10,8 @@ import torch
 from kvbench.cache import ATTN_IMPLEMENTATION, memory_report
 from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape, build_method
-from kvbench.methods.semkv import METRICS, attention_update, logit_scores, semkv_layers
+from kvbench.methods.semkv import semkv_layers
+from kvbench.methods.semkv_metrics import METRICS, attention_update, logit_scores
 from kvbench.quant.affine import fake_quantize_grouped
 from kvbench.quant.mixed import RunningAllocator, high_fraction, top_k_mask
 
@@ -104,8 +105,8 @@ def test_top_p_by_key_norm_get_the_higher_level_count():
         want_v[~mask[h]] = fake_quantize_grouped(held[~mask[h]], 5, "token", None)
         assert torch.equal(v[0, h], want_v)
     high_k, low_k = layer.stores["k"]
-    assert high_k.q.levels == 6 and low_k.q.levels == 5
-    assert len(high_k.q) == 2 and len(low_k.q) == 6
+    assert high_k.levels == 6 and low_k.levels == 5
+    assert len(high_k) == 2 and len(low_k) == 6
 
 
 def test_value_norm_ranks_values():
@@ -298,8 +299,8 @@ def test_every_metric_runs_through_a_model_with_delayed_chunks(tiny, metric):
     assert report.nominal_code_bits == pytest.approx((round(P * 24) * B6 + (24 - round(P * 24)) * B5) / 24)
     if metric in ("entropy", "surprisal"):  # model level: one ranking, the same in every layer
         assert torch.equal(layers[0].allocation_mask(), layers[1].allocation_mask())
-    for handle in m.hooks:
-        handle.remove()
+    if m.hidden is not None:
+        m.hidden.close()
 
 
 @pytest.mark.parametrize("metric", ["hidden_norm", "hidden_change"])
@@ -312,10 +313,9 @@ def test_hidden_metrics_read_the_decoder_layers(tiny, metric):
         with torch.no_grad():
             hs = model(input_ids=ids, output_hidden_states=True).hidden_states
     finally:
-        for handle in m.hooks:
-            handle.remove()
+        m.hidden.close()
     want = hs[0].norm(dim=-1) if metric == "hidden_norm" else (hs[1] - hs[0]).norm(dim=-1)
-    assert torch.allclose(m.hidden_scores[0], want, atol=1e-5)
+    assert torch.allclose(m.hidden.records[0], want, atol=1e-5)
 
 
 def test_logit_metric_waits_for_after_forward():
@@ -329,6 +329,27 @@ def test_logit_metric_waits_for_after_forward():
     logits = torch.tensor([[[50.0, 0, 0], [0, 0, -50], [0, 50, 0], [0, 0, 0]]])
     m.after_forward(cache, torch.zeros(1, 4, dtype=torch.long), logits)
     assert layer.pending() == 0 and layer.allocation_mask()[0].tolist() == [[False, False, False, True]] * 2
+
+
+def test_surprisal_state_is_the_methods_and_starts_over_with_each_cache():
+    """The previous forward's log-probabilities score the next forward's first token; they belong to
+    the request (reset by new_cache) and are kept on the method, never written onto the cache."""
+    m = method(metric="surprisal")
+    shape = ModelShape(num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16)
+    logits = torch.tensor([[[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])  # uniform: log p = -ln 3
+    first = m.new_cache(shape, torch.float32)
+    first.update(*torch.randn(2, 1, 2, 2, 16).unbind(0), 0)
+    m.after_forward(first, torch.zeros(1, 2, dtype=torch.long), logits)
+    assert torch.allclose(m.last_logprobs, torch.full((1, 3), -math.log(3)))
+    assert not any(name.startswith("semkv") for name in vars(first))
+    second = m.new_cache(shape, torch.float32)
+    assert m.last_logprobs is None  # a new request: its first token has no prediction (+inf)
+    layer = second.layers[0]
+    second.update(*torch.randn(2, 1, 2, 1, 16).unbind(0), 0)
+    scores, _ = logit_scores("surprisal", logits[:, :1], torch.zeros(1, 1, dtype=torch.long), None)
+    assert scores[0, 0] == math.inf
+    m.after_forward(second, torch.zeros(1, 1, dtype=torch.long), logits[:, :1])
+    assert layer.allocated_tokens() == 1 and m.last_logprobs is not None
 
 
 # -- config -----------------------------------------------------------------------------------------

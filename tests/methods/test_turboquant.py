@@ -102,9 +102,9 @@ def test_layer_stores_fp16_norms_and_reconstructs_norm_times_rotated_centroids()
     # x_hat = ||x|| Pi^T c[q]: its norm is the stored norm times ||c[q]|| (rotation keeps norms)
     c = torch.tensor(lloyd_max_codebook(4, D)[0], dtype=torch.float32)
     for h in range(2):
-        y = k[0, h] / k[0, h].norm(dim=-1, keepdim=True) @ layer.rotations[h].T
+        y = k[0, h] / k[0, h].norm(dim=-1, keepdim=True) @ layer.rotations.matrices[h].T
         cq = c[quantize_scalar(y, c).long()]
-        want = layer.kq.norms[0, h].float() * (cq @ layer.rotations[h])
+        want = layer.kq.norms[0, h].float() * (cq @ layer.rotations.matrices[h])
         torch.testing.assert_close(rk[0, h], want, rtol=1e-5, atol=1e-5)
         ratio = rk[0, h].norm(dim=-1) / layer.kq.norms[0, h, :, 0].float()
         torch.testing.assert_close(ratio, cq.norm(dim=-1), rtol=1e-5, atol=0)

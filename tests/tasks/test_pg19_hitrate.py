@@ -20,7 +20,7 @@ from kvbench.tasks.pg19_hitrate import (
     capture,
     causal_probs,
     h2o_hit_rates,
-    lowbit_keys,
+    kivi_lowbit_keys,
     recent_size,
     topk_hit_rates,
 )
@@ -65,15 +65,22 @@ def test_topk_ignores_invisible_keys():
 H2O_CASE = [[1], [3, 1], [1, 1, 2], [4, 2, 1, 1]]
 
 
-def test_h2o_greedy_eviction_hand_case():
-    """Budget k=2, recent r=1 (only the current token is protected), scaling 1, identity keys.
+def h2o(q, keys, scaling, budgets, recents, start):
+    """The task's H2O hit rates with values that do not matter to them."""
+    return h2o_hit_rates(q, keys, torch.randn(keys.shape), scaling, budgets, recents, start)
 
-    t=0: {0}, score [1].  t=1: {0,1} attn [3/4, 1/4] -> score [1.75, .25]; evict 1.
-    t=2: {0,2} attn [1/3, 2/3] -> score[0]=2.083, score[2]=.667; evict 2; hit = (1+2)/4 = 0.75.
-    t=3: {0,3}: hit = (4+1)/8 = 0.625, while the exact top-2 {0,1} would hold (4+2)/8 = 0.75.
+
+def test_h2o_greedy_eviction_hand_case():
+    """The registered h2o method, k=2 attended entries (a cache budget of 1), r=1 (window 0),
+    scaling 1, identity keys; positions 0, 1 are the prompt.
+
+    Prefill: row 0 attends {0}: F = [1]; row 1 attends [3/4, 1/4]: F = [1.75, .25]; keep {0}.
+    t=2: attends {0, 2}: hit = (1 + 2)/4 = 0.75; softmax over the set [1/3, 2/3]: F(0) = 2.083,
+    F(2) = .667; keep {0}. t=3: {0, 3}: hit = (4 + 1)/8 = 0.625, while the exact top-2 {0, 1} would
+    hold (4 + 2)/8 = 0.75.
     """
     q = log_weights(H2O_CASE)
-    out = h2o_hit_rates(q, torch.eye(4)[None], 1.0, budgets=[2], recents=[1], start=2)
+    out = h2o(q, torch.eye(4)[None], 1.0, budgets=[2], recents=[1], start=2)
     assert out.shape == (1, 2, 1)
     assert out[0, :, 0].tolist() == pytest.approx([0.75, 0.625])
     exact = topk_hit_rates(*(causal_probs(q[:, 2:], torch.eye(4)[None], torch.tensor([2, 3]), 1.0),) * 2, [2])
@@ -83,17 +90,28 @@ def test_h2o_greedy_eviction_hand_case():
 def test_h2o_recent_window_only_is_sliding_window():
     """k=2, r=2: the attended set is always {t-1, t}: t=2 -> (1+2)/4, t=3 -> (1+1)/8."""
     q = log_weights(H2O_CASE)
-    out = h2o_hit_rates(q, torch.eye(4)[None], 1.0, budgets=[2], recents=[2], start=2)
+    out = h2o(q, torch.eye(4)[None], 1.0, budgets=[2], recents=[2], start=2)
     assert out[0, :, 0].tolist() == pytest.approx([0.75, 0.25])
 
 
 def test_h2o_several_budgets_at_once_match_one_by_one():
     torch.manual_seed(1)
-    q, k = torch.randn(4, 40, 8), torch.randn(2, 40, 8)
-    together = h2o_hit_rates(q, k, 0.5, budgets=[3, 10], recents=[1, 5], start=30, block=7)
-    a = h2o_hit_rates(q, k, 0.5, budgets=[3], recents=[1], start=30)
-    b = h2o_hit_rates(q, k, 0.5, budgets=[10], recents=[5], start=30)
-    assert torch.allclose(together, torch.cat([a, b]), atol=1e-6)
+    q, k, v = torch.randn(4, 40, 8), torch.randn(2, 40, 8), torch.randn(2, 40, 8)
+    together = h2o_hit_rates(q, k, v, 0.5, budgets=[3, 10], recents=[1, 5], start=30)
+    a = h2o_hit_rates(q, k, v, 0.5, budgets=[3], recents=[1], start=30)
+    b = h2o_hit_rates(q, k, v, 0.5, budgets=[10], recents=[5], start=30)
+    assert torch.equal(together, torch.cat([a, b]))
+
+
+def test_h2o_kept_set_is_shared_by_the_query_heads_of_a_kv_head():
+    """H2O keeps one set per KV head, ranked by the attention its query heads give together."""
+    torch.manual_seed(2)
+    q, k = torch.randn(4, 24, 8) * 3, torch.randn(2, 24, 8)
+    out = h2o(q, k, 0.5, budgets=[4], recents=[1], start=20)  # [1, M, H]
+    probs = causal_probs(q[:, 20:], k, torch.arange(20, 24), 0.5)  # [H, M, N]
+    for t in range(4):
+        per_head = topk_hit_rates(probs[:, t], probs[:, t], [4])[0]  # each query head's own best 4
+        assert (out[0, t] <= per_head + 1e-6).all()
 
 
 def test_budget_and_recent_sizes():
@@ -123,11 +141,11 @@ def test_exact_topk_dominates_every_policy(seed):
         torch.arange(n)[None] > positions[:, None], -math.inf
     )
     other = topk_hit_rates(probs, random_scores, ks)
-    h2o = h2o_hit_rates(q, k, d**-0.5, ks, [recent_size(x, 0.5) for x in ks], n - m).transpose(1, 2)
-    assert (exact >= other - 1e-6).all() and (exact >= h2o - 1e-6).all()
+    h2o_rates = h2o(q, k, d**-0.5, ks, [recent_size(x, 0.5) for x in ks], n - m).transpose(1, 2)
+    assert (exact >= other - 1e-6).all() and (exact >= h2o_rates - 1e-6).all()
     assert (exact[:, :, :] <= 1 + 1e-6).all()
     # monotone in k for every policy
-    for rates in (exact, other, h2o):
+    for rates in (exact, other, h2o_rates):
         assert (rates[1:] >= rates[:-1] - 1e-6).all()
     # a real gap somewhere: the random ranking is not the exact one
     assert (exact - other).max() > 0.05
@@ -142,34 +160,43 @@ def test_hit_rate_is_one_at_k_equal_T():
     scores = torch.randn(heads, 10, n).masked_fill(torch.arange(n)[None] > positions[:, None], -math.inf)
     assert torch.allclose(topk_hit_rates(probs, probs, [n]), torch.ones(1, heads, 10))
     assert torch.allclose(topk_hit_rates(probs, scores, [n]), torch.ones(1, heads, 10))
-    assert torch.allclose(h2o_hit_rates(q, k, 1.0, [n], [recent_size(n, 0.5)], 20), torch.ones(1, 10, heads))
+    assert torch.allclose(h2o(q, k, 1.0, [n], [recent_size(n, 0.5)], 20), torch.ones(1, 10, heads))
 
 
 # --- the low-bit keys --------------------------------------------------------------------------------
 
 
+def kivi(bits, zero_point, group=2, residual=2):
+    return {"name": "kivi", "bits": bits, "group_size": group, "residual": residual,
+            "zero_point": zero_point, "fp_dtype": "auto"}  # fmt: skip
+
+
 def test_lowbit_keys_specache_one_bit_hand_case():
-    """Channel values [0, 4 | 10, 20], groups of 2 tokens, residual 2, SpeCache's 1-bit zero point
-    z = (3 min + max) / 4, s = (max - min) / 2: group [0, 4] -> z=1, s=2 -> [1, 3];
-    group [10, 20] -> z=12.5, s=5 -> [12.5, 17.5]."""
-    keys = torch.tensor([0.0, 4.0, 10.0, 20.0]).reshape(1, 4, 1)
-    three = lowbit_keys(keys, 1, 2, "specache", 2, stored=3)  # 2 * floor(3/2) = 2 flushed
-    assert three.flatten().tolist() == pytest.approx([1.0, 3.0, 10.0, 20.0])
-    four = lowbit_keys(keys, 1, 2, "specache", 2, stored=4)
-    assert four.flatten().tolist() == pytest.approx([1.0, 3.0, 12.5, 17.5])
+    """Channel 0 holds [0, 4 | 10, 20 | 7, 9], groups of 2 tokens, residual 2, SpeCache's 1-bit zero
+    point z = (3 min + max) / 4, s = (max - min) / 2: group [0, 4] -> z=1, s=2 -> [1, 3];
+    group [10, 20] -> z=12.5, s=5 -> [12.5, 17.5]. Before position t the registered kivi layer holds
+    tokens 0..t-2: at t=4 (3 held) one group is low-bit, at t=5 (4 held) two."""
+    keys = torch.zeros(1, 6, 2)
+    keys[0, :, 0] = torch.tensor([0.0, 4.0, 10.0, 20.0, 7.0, 9.0])
+    values = torch.randn(1, 6, 2)
+    low, flushed = kivi_lowbit_keys(keys, values, kivi(1, "specache"), start=4)
+    assert flushed.tolist() == [2, 4]
+    assert low[0, :, 0].tolist() == pytest.approx([1.0, 3.0, 12.5, 17.5, 7.0, 9.0])
     # KIVI's min-max at 1 bit would reconstruct only the extremes
-    kivi = lowbit_keys(keys, 1, 2, "minmax", 2, stored=4)
-    assert kivi.flatten().tolist() == pytest.approx([0.0, 4.0, 10.0, 20.0])
+    low, _ = kivi_lowbit_keys(keys, values, kivi(1, "minmax"), start=4)
+    assert low[0, :, 0].tolist() == pytest.approx([0.0, 4.0, 10.0, 20.0, 7.0, 9.0])
 
 
 def test_lowbit_keys_match_affine_module():
     torch.manual_seed(0)
-    keys = torch.randn(3, 200, 64)
-    got = lowbit_keys(keys, 2, 32, "minmax", 64, stored=199)  # 64 * 3 = 192 flushed
+    keys, values = torch.randn(3, 200, 64), torch.randn(3, 200, 64)
+    low, flushed = kivi_lowbit_keys(keys, values, kivi(2, "minmax", 32, 64), start=190)
+    # position t sees the t-1 tokens before the forward: 64 * floor((t-1) / 64) are low-bit
+    assert flushed.tolist() == [128] * 3 + [192] * 7
     want = fake_quantize_grouped(keys[:, :192], 4, "channel", 32, "minmax")
-    assert torch.equal(got[:, :192], want)
-    assert torch.equal(got[:, 192:], keys[:, 192:])
-    assert not torch.allclose(got[:, :192], keys[:, :192], atol=1e-2)
+    assert torch.equal(low[:, :192], want)
+    assert torch.equal(low[:, 192:], keys[:, 192:])
+    assert not torch.allclose(low[:, :192], keys[:, :192], atol=1e-2)
 
 
 # --- config errors -----------------------------------------------------------------------------------
@@ -206,9 +233,10 @@ def test_context_above_model_limit(data_root, tokenizer):
         hitrate(data_root, windows=1000).check_model(SHAPE, tokenizer)
 
 
-def test_only_the_fp16_method(data_root):
+@pytest.mark.parametrize("node", [{"name": "kivi", "bits": 2}, {"name": "fp16", "sink_tokens": 1}])
+def test_only_the_fp16_method(data_root, node):
     class Runner:
-        method = build_method({"name": "kivi", "bits": 2})
+        method = build_method(node)
 
     with pytest.raises(ConfigError, match="fp16 only"):
         hitrate(data_root).run({"id": "w0", "window": 0}, Runner())

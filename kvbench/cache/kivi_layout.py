@@ -1,0 +1,113 @@
+"""KIVI's storage layout (Liu et al., ICML 2024, Sec. 3.2, Algorithm 1), shared by every method that
+stores affine codes in it (KIVI, SpeCache's low-bit copy, OTT).
+
+- keys per channel: statistics per channel over groups of G consecutive tokens;
+- values per token: statistics per token over groups of ``value_group_size`` channels (KIVI: G);
+- a full-precision residual of up to R tokens (R a multiple of G).
+
+Streaming rules, for l tokens arriving at once (prefill) or one at a time (decode):
+
+- keys: new keys join the key residual X_Kr; whenever it holds at least R tokens, the oldest
+  ``floor(|X_Kr| / R) * R`` are quantized and appended to Q(X_Kg). In prefill this is KIVI's
+  r = l mod R split (X_Kg = X_K[:l-r], X_Kr = X_K[l-r:]); in decode the residual fills to R and is
+  flushed whole.
+- values: new values join the value queue X_Vr; while it holds more than R tokens, the oldest are
+  quantized per token and appended to Q(X_Vg), so the newest R values stay in full precision.
+
+With ``backend=triton``, decode steps (one or two new tokens) skip the reconstruction in
+:meth:`KIVILayout.update` and attend through the fused kernel, which reads the packed codes
+directly; the read rule is unchanged: stored tokens as they were before this forward, new tokens
+exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.cache.composite import CompositeLayer
+from kvbench.cache.fp import FullPrecisionTokens
+from kvbench.cache.layer import cat_tokens
+from kvbench.cache.quantized import QuantizedTokens
+from kvbench.quant.affine import zero_point_for
+from kvbench.quant.attention_ref import PackedKV
+
+
+class KIVILayout(CompositeLayer):
+    """``key_levels``/``value_levels``: level counts; ``group_size``: tokens per key group;
+    ``value_group``: channels per value group (KIVI: ``group_size``; None: the whole head);
+    ``zero_point``: the user's choice, resolved per level count
+    (:func:`~kvbench.quant.affine.zero_point_for`)."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        key_levels: int,
+        value_levels: int,
+        group_size: int,
+        value_group: int | None,
+        residual: int,
+        zero_point: str,
+        fp_dtype: torch.dtype,
+        backend: str = "torch",
+    ):
+        super().__init__(layer_idx)
+        self.backend = backend
+        self._before: tuple | None = None  # the stores before this forward's append (fused path)
+        self.group, self.residual = group_size, residual
+        self.kq = QuantizedTokens(
+            key_levels, "channel", group_size, zero_point_for(zero_point, key_levels), backend=backend
+        )
+        self.vq = QuantizedTokens(
+            value_levels, "token", value_group, zero_point_for(zero_point, value_levels), backend=backend
+        )
+        self.k_res = FullPrecisionTokens(fp_dtype)
+        self.v_res = FullPrecisionTokens(fp_dtype)
+
+    def append(self, keys, values):
+        self.k_res.append(keys)
+        flush = len(self.k_res) // self.residual * self.residual
+        if flush:
+            self.kq.append(self.k_res.pop_front(flush))
+        self.v_res.append(values)
+        if len(self.v_res) > self.residual:
+            self.vq.append(self.v_res.pop_front(len(self.v_res) - self.residual))
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.backend != "triton" or key_states.shape[-2] > 2 or not self.num_tokens:
+            self._before = None
+            return super().update(key_states, value_states, *args, **kwargs)
+        # Stores are replaced, never modified in place, on append: these references stay valid.
+        self._before = (
+            PackedKV.from_store(self.kq),
+            self.k_res.data,
+            PackedKV.from_store(self.vq),
+            self.v_res.data,
+        )
+        self.append(key_states, value_states)
+        self.num_tokens += key_states.shape[-2]
+        return key_states, value_states
+
+    def attend(self, module, query, keys, values, attention_mask, **kwargs):
+        if self._before is None:
+            return super().attend(module, query, keys, values, attention_mask, **kwargs)
+        kq, k_res, vq, v_res = self._before
+        self._before = None
+        if attention_mask is not None:
+            # padding or an explicit mask: the kernel only knows the causal rule of the newest
+            # tokens, so reconstruct and take the SDPA path
+            d = keys.shape[-1]
+            keys = cat_tokens(kq.dequantize(d) if kq else None, k_res, keys).to(query.dtype)
+            values = cat_tokens(vq.dequantize(d) if vq else None, v_res, values).to(query.dtype)
+            return super().attend(module, query, keys, values, attention_mask, **kwargs)
+        from kvbench.kernels.decode_attention import fused_decode_attention
+
+        scaling = kwargs.get("scaling") or module.scaling
+        out = fused_decode_attention(
+            query,
+            kq,
+            vq,
+            scaling,
+            key_residual=cat_tokens(k_res, keys),
+            value_residual=cat_tokens(v_res, values),
+        )
+        return out.transpose(1, 2).contiguous(), None
