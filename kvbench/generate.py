@@ -1,7 +1,15 @@
-"""The decode loop shared by tasks: prefill into a method's cache, greedy decoding, scoring.
+"""The generation loop and the scoring loop: every task and the lm-eval adapter run requests through
+these two, so every method hook is honoured the same way everywhere.
 
-Batch size 1 (one sample at a time, as the papers evaluate); the model's own forward is used
-unchanged, with the method's cache passed as ``cache=``.
+- :meth:`ModelRunner.generate`: prefill into a fresh cache of the method, then greedy decoding; every
+  token after the prefill goes through the method's decode step (:meth:`Method.decode_step`).
+- :meth:`ModelRunner.score`: per-token negative log-likelihoods of a continuation read through a
+  fresh cache, under one of two protocols (see there); every one-token forward goes through the same
+  decode step, so a method with its own (SpeCache) is scored as it decodes.
+
+Both call :meth:`Method.after_forward` after every forward (:meth:`ModelRunner.forward`). Batch size 1
+(one sample at a time, as the papers evaluate); the model's own forward is used unchanged, with the
+method's cache passed as ``cache=``.
 """
 
 from __future__ import annotations
@@ -31,13 +39,19 @@ class Generation:
         return len(self.token_ids)
 
 
+# How the first continuation token is predicted (see ModelRunner.score).
+SCORE_FIRST = ("prefill", "cache")
+
+
 @dataclass
 class Scored:
-    """Per-token negative log-likelihoods of a continuation read through the cache."""
+    """Per-token negative log-likelihoods of a continuation read through the cache; ``greedy``: every
+    continuation token is the argmax of the logits that predict it."""
 
     nll: list[float]
     memory: MemoryReport
     seconds: float
+    greedy: bool = True
 
 
 class ModelRunner:
@@ -69,11 +83,9 @@ class ModelRunner:
 
     def decode_step(self, input_ids: torch.Tensor, cache: KVBenchCache) -> torch.Tensor:
         """Feed the token just chosen, ``input_ids [1, 1]``; returns the float32 logits ``[1, 1,
-        vocab]`` that choose the next one. A method that drives its own decode step (SpeCache's
-        two-token forward) defines ``decode_step(runner, cache, input_ids)`` and is delegated to;
-        every other method gets one plain :meth:`forward`."""
-        step = getattr(self.method, "decode_step", None)
-        return self.forward(input_ids, cache) if step is None else step(self, cache, input_ids)
+        vocab]`` that choose the next one, through the method's :meth:`Method.decode_step` (one plain
+        :meth:`forward` unless the method drives its own step, as SpeCache does)."""
+        return self.method.decode_step(self, cache, input_ids)
 
     def encode(self, text: str) -> torch.Tensor:
         return self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
@@ -122,21 +134,58 @@ class ModelRunner:
         return Generation(text, tokens, input_ids.shape[1], stopped, memory, prefill_s, decode_s)
 
     @torch.no_grad()
-    def score(self, context_ids: torch.Tensor, continuation_ids: torch.Tensor, chunk: int = 1) -> Scored:
-        """Prefill ``context_ids [1, C]`` into a fresh cache, then feed ``continuation_ids [1, N]``
-        ``chunk`` tokens per forward, each forward reading everything before it from the cache.
-        Token i of the continuation is predicted from the logits at the position before it."""
+    def score(
+        self,
+        context_ids: torch.Tensor,
+        continuation_ids: torch.Tensor,
+        chunk: int = 1,
+        first: str = "prefill",
+    ) -> Scored:
+        """Negative log-likelihood of each token of ``continuation_ids [1, N]`` after ``context_ids
+        [1, C]`` (``C >= 1``), read through a fresh cache. The continuation is fed ``chunk`` tokens
+        per forward, each forward reading everything before it from the cache; a one-token forward
+        is a :meth:`decode_step`. The protocols differ in the first continuation token only:
+
+        - ``first="prefill"`` (the perplexity task): the whole context is prefilled and the prefill's
+          last logits predict continuation token 0; the continuation is then fed, its last token
+          included (its logits are unused; it is stored as decoding would store it). Token 0 is
+          predicted by a forward that attends its own tokens exactly, so it never reads the cache;
+          tokens 1.. are predicted by forwards of the continuation tokens before them.
+        - ``first="cache"`` (lm-eval's loglikelihood): the context less its last token is prefilled;
+          the last context token and the continuation less its last token are fed, so that every
+          continuation token, the first included, is predicted by a forward that reads the earlier
+          tokens from the cache.
+
+        Under ``chunk=1`` the two agree token for token where they make the same forwards: tokens
+        1.. of ``first="prefill"`` are exactly ``first="cache"``'s scores of ``continuation[1:]``
+        after ``context + continuation[:1]``."""
+        if first not in SCORE_FIRST:
+            raise ValueError(f"first={first!r}: one of {', '.join(SCORE_FIRST)}")
+        if context_ids.shape[1] < 1:
+            raise ValueError("scoring needs at least one context token")
         cache = self.new_cache()
         t0 = time.perf_counter()
-        logits = self.forward(context_ids, cache)[:, -1:]
+        if first == "prefill":
+            stored, fed = context_ids, continuation_ids
+        else:
+            stored = context_ids[:, :-1]
+            fed = torch.cat([context_ids[:, -1:], continuation_ids[:, :-1]], dim=1)
+        # "prefill": the logits predicting the first token of the next piece, carried between pieces
+        pending = self.forward(stored, cache)[:, -1:] if stored.shape[1] else None
         nll: list[float] = []
-        n = continuation_ids.shape[1]
-        for start in range(0, n, chunk):
-            piece = continuation_ids[:, start : start + chunk]
-            # logits predicting piece: the last context/previous-piece position, then piece[:-1]
-            step_logits = torch.cat([logits, self.forward(piece, cache)], dim=1)
-            logp = torch.log_softmax(step_logits[0, :-1], dim=-1)
-            nll.extend((-logp.gather(-1, piece[0, :, None].to(logp.device))[:, 0]).tolist())
-            logits = step_logits[:, -1:]
+        greedy = True
+        for start in range(0, continuation_ids.shape[1], chunk):
+            piece = fed[:, start : start + chunk]
+            target = continuation_ids[0, start : start + piece.shape[1]]
+            logits = self.decode_step(piece, cache) if piece.shape[1] == 1 else self.forward(piece, cache)
+            if first == "prefill":
+                # logits predicting piece: the previous position's, then those of piece[:-1]
+                step_logits = torch.cat([pending, logits], dim=1)
+                pending = step_logits[:, -1:]
+                logits = step_logits[:, :-1]
+            logp = torch.log_softmax(logits[0], dim=-1)  # [c, vocab]
+            target = target.to(logp.device)
+            nll.extend((-logp.gather(-1, target[:, None])[:, 0]).tolist())
+            greedy = greedy and bool((logp.argmax(-1) == target).all())
         memory = memory_report(cache.layers)
-        return Scored(nll, memory, time.perf_counter() - t0)
+        return Scored(nll, memory, time.perf_counter() - t0, greedy)

@@ -9,12 +9,13 @@ method, so no request sees another's state and the KV method shapes every number
   ``max_gen_toks`` new tokens. As in the papers, the first new token comes from the prefill
   forward; every later one reads the whole context back from the method's storage.
 - ``loglikelihood`` (context, continuation): ``log P(continuation | context)`` and whether greedy
-  decoding would produce the continuation. The context minus its last token is prefilled into the
-  cache; then the last context token and the continuation (less its final token) are fed ``chunk``
-  tokens per forward, so that the logits predicting *every* continuation token, the first included,
-  come from a forward that reads the context from storage (one-token forwards go through
-  :meth:`ModelRunner.decode_step`, so a method with its own decode step is scored as it decodes).
-  Scoring the first token from the prefill logits instead would, by the read rule of
+  decoding would produce the continuation, from the scoring loop shared with the perplexity task
+  (:meth:`kvbench.generate.ModelRunner.score` with ``first="cache"``): the context minus its last
+  token is prefilled into the cache; then the last context token and the continuation (less its
+  final token) are fed ``chunk`` tokens per forward, so that the logits predicting *every*
+  continuation token, the first included, come from a forward that reads the context from storage
+  (one-token forwards go through the method's decode step, so a method with its own is scored as it
+  decodes). Scoring the first token from the prefill logits instead would, by the read rule of
   :mod:`kvbench.cache.layer` (a forward attends its own tokens exactly), never read the cache: a
   one-token continuation, the usual multiple-choice answer, would score the same under every method.
 - ``loglikelihood_rolling`` (text,): the text is cut into lm-eval's disjoint rolling windows of at
@@ -83,7 +84,8 @@ class KVBenchLM(TemplateLM):
 
     ``runner`` is required from Python. From lm-eval's command line (``--model kvbench`` after
     ``import kvbench.lmeval``), ``model=NAME`` (a ``conf/model`` node), ``method=NAME`` and ``bits``
-    build one with the method's default knobs.
+    build one with the method's default knobs through the run builder
+    (:func:`kvbench.builder.build_runner`), as the CLI builds its runs.
     """
 
     def __init__(
@@ -110,20 +112,11 @@ class KVBenchLM(TemplateLM):
 
     @staticmethod
     def _build_runner(model: str, method: str, bits, device: str):
-        from kvbench.cache import ATTN_IMPLEMENTATION
-        from kvbench.generate import ModelRunner
-        from kvbench.methods import build_method
-        from kvbench.models import ModelConfig, load_model, model_node, model_shape
+        from kvbench.builder import build_runner
 
-        node = {"name": method}
-        if bits is not None:
-            node["bits"] = float(bits)
-        built = build_method(node)
-        cfg = ModelConfig(**model_node(model))
-        mdl, tok = load_model(cfg, attn_implementation=ATTN_IMPLEMENTATION, device=device)
-        shape = model_shape(mdl, cfg.max_context)
-        built.config.check_model(shape)
-        return ModelRunner(mdl, tok, built, shape)
+        return build_runner(
+            model, {"name": method}, bits=None if bits is None else float(bits), device=device
+        )
 
     # -- what TemplateLM needs -----------------------------------------------------------------
     @property
@@ -149,7 +142,6 @@ class KVBenchLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     # -- scoring through the cache -------------------------------------------------------------
-    @torch.no_grad()
     def score_tokens(self, context: list[int], continuation: list[int]) -> Scored:
         """``log P(continuation | context)`` with a fresh cache; see the module docstring.
 
@@ -164,25 +156,11 @@ class KVBenchLM(TemplateLM):
         if n > self.max_length:
             raise ValueError(f"a {n}-token continuation exceeds the model's {self.max_length}-token context")
         total = (list(context) + list(continuation))[-(self.max_length + 1) :]
-        stored, fed = total[: len(total) - n - 1], total[len(total) - n - 1 : -1]
-        t0 = time.perf_counter()
-        cache = runner.new_cache()
-        if stored:
-            runner.forward(torch.tensor([stored]), cache)
-        logprobs: list[float] = []
-        greedy = True
-        for start in range(0, n, self.chunk):
-            piece = fed[start : start + self.chunk]
-            target = torch.tensor(continuation[start : start + len(piece)])
-            ids = torch.tensor([piece])
-            # one token: the runner's decode step, so a method with its own (SpeCache) scores as it decodes
-            logits = runner.decode_step(ids, cache) if len(piece) == 1 else runner.forward(ids, cache)
-            logp = torch.log_softmax(logits[0], dim=-1)  # [c, V]
-            target = target.to(logp.device)
-            logprobs.extend(logp.gather(-1, target[:, None])[:, 0].tolist())
-            greedy = greedy and bool((logp.argmax(-1) == target).all())
-        memory = memory_report(cache.layers)
-        return Scored(sum(logprobs), greedy, logprobs, len(total) - n, memory, time.perf_counter() - t0)
+        scored = runner.score(
+            torch.tensor([total[:-n]]), torch.tensor([total[-n:]]), self.chunk, first="cache"
+        )
+        logprobs = [-x for x in scored.nll]
+        return Scored(sum(logprobs), scored.greedy, logprobs, len(total) - n, scored.memory, scored.seconds)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs) -> list[tuple[float, bool]]:
         """``requests``: ((context, continuation), context ids, continuation ids), from TemplateLM."""

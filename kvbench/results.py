@@ -39,10 +39,11 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
     """What the run id hashes: the resolved config minus paths, loggers, the analysis plan and the
     model's scheduler ``resources``.
 
-    The top-level ``bits`` reaches a method only through its node (``bits: ${bits}``, or a knob
-    such as ReadKV's ``read_bits: ${bits}``), and the config is resolved before hashing, so every
-    effect of ``bits`` is already in the method node. A node without a ``bits`` key (the FP16
-    baseline; no ``method`` at all is the FP16 baseline too) therefore drops the top-level value:
+    The top-level ``bits`` reaches a method only through its node: the run writes it into the
+    node's bits knob (``bits``, or a knob such as ReadKV's ``read_bits``) before hashing
+    (:func:`kvbench.run.run_config`), so every effect of ``bits`` is already in the method node. A
+    node without a ``bits`` key (the FP16 baseline and the eviction policies, which have no bits
+    knob; no ``method`` at all is the FP16 baseline too) therefore drops the top-level value:
     ``fp16`` inside a bit-width sweep is one run, not one per bit width.
     """
     core = {k: v for k, v in config.items() if k not in NON_RUN_KEYS}

@@ -1,9 +1,14 @@
 """One run: validate everything, load the model, build the method and the task, run the samples,
 write the results.
 
-No method or task logic lives here: both come from their registries. :func:`plan_run` is the one
-place where a configuration is checked; it reads the model's config.json and tokenizer but no weights
-and writes nothing, so a bad input costs seconds and leaves no folder behind.
+No method or task logic lives here: both come from their registries, and the model, method and cache
+factory come from the one run builder (:mod:`kvbench.builder`). :func:`plan_run` is the one place
+where a configuration is checked; it reads the model's config.json and tokenizer but no weights and
+writes nothing, so a bad input costs seconds and leaves no folder behind.
+
+The top-level ``bits`` reaches the method through the run (:func:`run_config`): it fills the knob
+the method's config names (``MethodConfig.bits_knob``) unless the node sets its own, so a method node
+carries no ``bits: ${bits}`` line.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from kvbench.config import build_config, check_choice, is_int, is_number, requir
 from kvbench.data import resolve_data_root
 from kvbench.errors import ConfigError
 from kvbench.methods import Method, build_method
+from kvbench.methods.base import with_run_bits
 
 # format_table lives with the results so that a sweep's driver can print a table without importing torch.
 from kvbench.results import RunFolder, analysis_plan, canonical_json, format_table, run_id  # noqa: F401
@@ -167,20 +173,31 @@ class RunPlan:
     warnings: dict[str, str]
 
 
-def check_against_model(method: Method, task: Task, shape, tokenizer) -> None:
-    method.config.check_model(shape)
-    task.check_model(shape, tokenizer)
+def run_config(cfg: Any) -> dict[str, Any]:
+    """The plain config a run writes to config.json and hashes into its run id: ``cfg`` (a Hydra
+    DictConfig or a dict) resolved, with the top-level ``bits`` in the method node's bits knob where
+    the node leaves it unset (:func:`kvbench.methods.base.with_run_bits`)."""
+    config = dict(to_plain(cfg))  # a copy: the caller's dict keeps its node as given
+    if isinstance(config.get("method"), dict):
+        config["method"] = with_run_bits(config["method"], config.get("bits"))
+    return config
 
 
 def bits_ignored(config: dict[str, Any], method: Method) -> dict[str, str]:
-    """The top-level ``bits`` reaches a method only through a ``bits`` key in its node (see
-    :func:`kvbench.results.canonical_config`); where there is none, the value changes nothing."""
-    bits, node = config.get("bits"), config.get("method")
-    if bits is None or (node and "bits" in node):
+    """Where the top-level ``bits`` changes nothing: no method (the FP16 baseline), a method without
+    a bits knob (``MethodConfig.bits_knob``), or a node that sets the knob to another value itself.
+    ``config`` is the config as given, before :func:`run_config` fills the knob."""
+    bits, node, knob = config.get("bits"), config.get("method"), method.config.bits_knob
+    if bits is None:
         return {}
-    why = (
-        "no +method was given, so this is the FP16 baseline" if not node else f"{method.label()} has no bits"
-    )
+    if not node:
+        why = "no +method was given, so this is the FP16 baseline"
+    elif knob is None:
+        why = f"{method.label()} has no bits"
+    elif node.get(knob) is not None and node[knob] != bits:
+        why = f"the method node sets method.{knob}={node[knob]:g}"
+    else:
+        return {}
     return {"bits_ignored": f"bits={bits:g} is ignored: {why}"}
 
 
@@ -193,7 +210,8 @@ def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
     from kvbench.logger import LoggerConfig
     from kvbench.models import ModelConfig, peek_model
 
-    config = to_plain(cfg)
+    given = to_plain(cfg)
+    config = run_config(given)
     run_keys = [f.name for f in fields(RunConfig)]
     for key in config:
         if key not in run_keys and key not in NODE_KEYS:
@@ -225,7 +243,7 @@ def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
         / method.label()
         / f"seed{run_cfg.seed}-{rid}"
     )
-    warnings = {**method.config.context_warnings(task.prompt_lengths()), **bits_ignored(config, method)}
+    warnings = {**method.config.context_warnings(task.prompt_lengths()), **bits_ignored(given, method)}
     return RunPlan(
         config,
         run_cfg,
@@ -274,8 +292,6 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
 
 def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
     """The run of :func:`execute` inside its folder."""
-    from kvbench.models import load_model, model_shape
-
     config, run_cfg, model_cfg, method, task = plan.config, plan.run, plan.model, plan.method, plan.task
     samples, rid = plan.samples, plan.run_id
     # One process per run folder: a parallel sweep (Slurm array, submitit) can map several points
@@ -295,19 +311,11 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
         for message in plan.warnings.values():
             warn(message)
         torch.manual_seed(run_cfg.seed)
-        t0 = time.perf_counter()
-        from kvbench.cache import ATTN_IMPLEMENTATION
-        from kvbench.generate import ModelRunner
+        from kvbench.builder import load_for_methods
 
-        model, tokenizer = load_model(
-            model_cfg, attn_implementation=ATTN_IMPLEMENTATION, device=run_cfg.torch_device()
-        )
-        load_s = time.perf_counter() - t0
-        shape = model_shape(model, model_cfg.max_context)
-        if not plan.model_checked:
-            check_against_model(method, task, shape, tokenizer)
-        method.prepare(model, tokenizer, shape, plan.data_root)
-        runner = ModelRunner(model, tokenizer, method, shape)
+        loaded = load_for_methods(model_cfg, run_cfg.torch_device())
+        # the task's checks against the model ran in plan_run when its files were local already
+        runner = loaded.runner(method, plan.data_root, task=None if plan.model_checked else task)
 
         t_run = time.perf_counter()
         bar = tqdm(
@@ -351,7 +359,7 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
             "memory": memory,
             "warnings": {**plan.warnings, **measured},
             "timings": {
-                "model_load_s": load_s,
+                "model_load_s": loaded.load_s,
                 "run_s": time.perf_counter() - t_run,
                 "samples_run": len(todo),
                 "samples_resumed": len(samples) - len(todo),

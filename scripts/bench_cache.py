@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from kvbench.cache import ATTN_IMPLEMENTATION, memory_report
+from kvbench.builder import load_for_methods
+from kvbench.cache import memory_report
 from kvbench.data import resolve_data_root
 from kvbench.methods import build_method
-from kvbench.models import ModelConfig, load_model, model_node, model_shape
 
 METHODS = {"fp16": {"name": "fp16"}, "kivi-2": {"name": "kivi", "bits": 2}}
-DEFAULT_MODEL = ModelConfig(**model_node("smollm2-135m"))
+DEFAULT_MODEL = "smollm2-135m"
 
 
 def haystack_ids(tokenizer, n: int) -> torch.Tensor:
@@ -64,8 +64,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model, tokenizer = load_model(DEFAULT_MODEL, attn_implementation=ATTN_IMPLEMENTATION)
-    shape = model_shape(model)
+    loaded = load_for_methods(DEFAULT_MODEL, device="cpu")
+    model, tokenizer = loaded.model, loaded.tokenizer
     rows = []
     for n in args.contexts:
         ids = haystack_ids(tokenizer, n)
@@ -75,8 +75,7 @@ def main(argv=None) -> int:
         first = int(out.logits[0, -1].argmax())
         per_method = {}
         for label, node in METHODS.items():
-            method = build_method(node)
-            cache = method.new_cache(shape, model.dtype)
+            cache = loaded.runner(build_method(node)).new_cache()
             for i, layer in enumerate(states.layers):
                 cache.update(layer.keys, layer.values, i)
             kv_bytes = memory_report(cache.layers).total_bytes

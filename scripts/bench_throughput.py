@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from kvbench.cache import ATTN_IMPLEMENTATION, memory_report
-from kvbench.config import build_config
+from kvbench.builder import LoadedModel, load_for_methods
+from kvbench.cache import memory_report
 from kvbench.methods import build_method
-from kvbench.models import ModelConfig, load_model, model_node, model_shape
+from kvbench.models import model_node
 
 METHODS = {
     "fp16": {"name": "fp16"},
@@ -40,15 +40,18 @@ def param_bytes(model) -> int:
 
 
 @torch.no_grad()
-def decode_run(model, shape, node, batch: int, context: int, new_tokens: int, device: str, backend: str):
+def decode_run(
+    loaded: LoadedModel, node, batch: int, context: int, new_tokens: int, device: str, backend: str
+):
     """Prefill ``batch`` prompts of ``context`` tokens and decode ``new_tokens``; returns
-    (tokens/s, peak bytes, measured?, kv bytes)."""
+    (tokens/s, peak bytes, measured?, kv bytes). The model's own forward is timed, batched, without
+    the runner's per-step hooks."""
     node = dict(node)
     if node["name"] != "fp16" and backend != "torch":
         node["backend"] = backend
-    method = build_method(node)
-    method.config.check_model(shape)
-    cache = method.new_cache(shape, model.dtype)
+    runner = loaded.runner(build_method(node))
+    model, shape = loaded.model, loaded.shape
+    cache = runner.new_cache()
     ids = torch.randint(100, 20000, (1, context), device=device).expand(batch, context).contiguous()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -72,23 +75,23 @@ def decode_run(model, shape, node, batch: int, context: int, new_tokens: int, de
     return batch * new_tokens / seconds, peak, measured, kv
 
 
-def fits(model, shape, node, batch, args, device) -> tuple[bool, tuple | None]:
+def fits(loaded, node, batch, args, device) -> tuple[bool, tuple | None]:
     try:
-        result = decode_run(model, shape, node, batch, args.context_for_max, 2, device, args.backend)
+        result = decode_run(loaded, node, batch, args.context_for_max, 2, device, args.backend)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return False, None
     return result[1] <= args.budget_gb * 2**30, result
 
 
-def max_batch(model, shape, node, args, device) -> int:
+def max_batch(loaded, node, args, device) -> int:
     lo, hi = 0, 1
-    while hi <= args.max_batch_cap and fits(model, shape, node, hi, args, device)[0]:
+    while hi <= args.max_batch_cap and fits(loaded, node, hi, args, device)[0]:
         lo, hi = hi, hi * 2
     hi = min(hi, args.max_batch_cap + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(model, shape, node, mid, args, device)[0] else (lo, mid)
+        lo, hi = (mid, hi) if fits(loaded, node, mid, args, device)[0] else (lo, mid)
     return lo
 
 
@@ -115,15 +118,14 @@ def main(argv=None) -> int:
         node["path"] = args.model_path
     if args.dtype:
         node["dtype"] = args.dtype
-    model, _ = load_model(build_config(ModelConfig, node, "model"), ATTN_IMPLEMENTATION, device=device)
-    shape = model_shape(model, node.get("max_context"))
+    loaded = load_for_methods(node, device)
     rows = []
     for label in args.methods:
         for context in args.contexts:
             for batch in args.batches:
                 try:
                     tps, peak, measured, kv = decode_run(
-                        model, shape, METHODS[label], batch, context, args.new_tokens, device, args.backend
+                        loaded, METHODS[label], batch, context, args.new_tokens, device, args.backend
                     )
                 except torch.OutOfMemoryError:
                     torch.cuda.empty_cache()
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
                 print(rows[-1], file=sys.stderr, flush=True)
         if args.budget_gb:
             args.context_for_max = args.context_for_max or max(args.contexts)
-            best = max_batch(model, shape, METHODS[label], args, device)
+            best = max_batch(loaded, METHODS[label], args, device)
             rows.append({"method": label, "context": args.context_for_max, "max_batch": best})
             print(rows[-1], file=sys.stderr, flush=True)
 

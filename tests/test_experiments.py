@@ -15,6 +15,7 @@ from kvbench.config import to_plain
 from kvbench.errors import ConfigError
 from kvbench.methods import build_method
 from kvbench.results import analysis_plan, run_id
+from kvbench.run import run_config
 from kvbench.tasks import build_task
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
@@ -68,7 +69,7 @@ def test_node_composes_at_every_sweep_value_and_validates(name, data_root):
         plan = analysis_plan(cfg["analysis"])
         assert plan.name == name
         assert 0 < plan.alpha < 1 and plan.margin > 0 and plan.seeds and plan.n >= 1
-        method = build_method(cfg.get("method"))  # the method node validates without a model
+        method = build_method(cfg.get("method"), bits=cfg.get("bits"))  # validates without a model
         seen_methods.add(method.registered_name)
         task = build_task(cfg["task"], data_root, int(point.get("seed", 0)))
         assert task.registered_name == cfg["task"]["name"]
@@ -90,14 +91,17 @@ def test_semkv_cliff_sweeps_the_grid_and_the_reference():
 
 def test_fp16_in_a_bits_sweep_is_one_run():
     fp16 = {
-        run_id(compose_point("semkv_cliff", {"+method": "fp16", "bits": b, "seed": "0"})) for b in ("1", "4")
+        run_id(run_config(compose_point("semkv_cliff", {"+method": "fp16", "bits": b, "seed": "0"})))
+        for b in ("1", "4")
     }
     uniform = {
-        run_id(compose_point("semkv_cliff", {"+method": "uniform", "bits": b, "seed": "0"}))
+        run_id(run_config(compose_point("semkv_cliff", {"+method": "uniform", "bits": b, "seed": "0"})))
         for b in ("1", "4")
     }
     assert len(fp16) == 1 and len(uniform) == 2
-    other_seed = run_id(compose_point("semkv_cliff", {"+method": "fp16", "bits": "1", "seed": "1"}))
+    other_seed = run_id(
+        run_config(compose_point("semkv_cliff", {"+method": "fp16", "bits": "1", "seed": "1"}))
+    )
     assert other_seed not in fp16
 
 

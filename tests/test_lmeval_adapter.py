@@ -150,3 +150,24 @@ def test_lmeval_task_runs_a_local_multiple_choice_task(tmp_path, data_root, lms)
     with pytest.raises(ConfigError, match="not an lm-eval task.*kvbench_tiny_mc") as err:
         build_task({**node, "tasks": ["kvbench_tiny_mcq"], "overrides": {}}, data_root, 0).samples()
     assert err.value.key == "task.tasks" and "\n" not in str(err.value)
+
+
+def test_lm_eval_model_args_build_through_the_run_builder(data_root, monkeypatch):
+    """``--model kvbench --model_args model=...,method=...,bits=...``: the runner comes from the run
+    builder, so the method gets the run's bits through its bits knob and is prepared as in a run."""
+    from kvbench.methods import Method
+
+    prepared = []
+
+    def record(self, model, tokenizer, shape, root):
+        prepared.append((self, root))
+
+    monkeypatch.setattr(Method, "prepare", record)
+    monkeypatch.setenv("KVBENCH_DATA_DIR", str(data_root))
+    lm = KVBenchLM.create_from_arg_string("model=smollm2-135m,method=kivi,bits=3")
+    method = lm.runner.method
+    assert (method.registered_name, method.config.bits, method.label()) == ("kivi", 3.0, "kivi-3b")
+    assert prepared == [(method, data_root)]
+    assert lm.runner.shape.num_kv_heads == 3 and lm.max_length == lm.runner.shape.max_context
+    # a method without a bits knob ignores them, as a run does
+    assert KVBenchLM.create_from_arg_string("method=fp16,bits=3").runner.method.label() == "fp16"

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from kvbench import run as run_module
+from kvbench.methods import METHODS
 from kvbench.models import model_node
 from kvbench.results import RunFolder, run_id
 from kvbench.tasks.niah import NIAH
@@ -58,10 +59,10 @@ def test_killed_run_resumes_without_redoing_finished_samples(tmp_path, data_root
     assert 2.0 < written["memory"]["effective_bits"] < 16.0
 
     # a resubmitted sweep: the point is complete, so not even the model is loaded
-    import kvbench.models
+    import kvbench.builder
 
     monkeypatch.setattr(
-        kvbench.models, "load_model", lambda *a, **k: pytest.fail("model loaded for a finished run")
+        kvbench.builder, "load_model", lambda *a, **k: pytest.fail("model loaded for a finished run")
     )
     again = run_module.execute(cfg, progress=False)
     assert again["run_id"] == metrics["run_id"] and again["metrics"] == written["metrics"]
@@ -149,3 +150,71 @@ def test_a_folder_without_results_is_discarded_with_its_empty_parents(tmp_path):
     assert not (root / "niah" / "m" / "kvquant").exists()  # its empty parent went too
     assert not kept.discard_if_unused(root)  # a sample row is a result: nothing is removed
     assert [r["sample_id"] for r in kept.rows()] == ["s0"] and root.is_dir()
+
+
+# --- the top-level bits reaches the method through the run ----------------------------------------
+
+
+def composed(*overrides: str) -> dict:
+    """The CLI's config for ``overrides``, composed from conf/ as ``python -m kvbench`` does."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.config import to_plain
+
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        return to_plain(compose("config", overrides=list(overrides)))
+
+
+@pytest.mark.parametrize("name", [n for n in METHODS.names() if METHODS.get(n).Config.bits_knob == "bits"])
+def test_method_nodes_carry_no_bits_line_and_still_read_bits(name, tmp_path, data_root):
+    # 2.322 bits (5 levels) is inside every method's range and no method's default
+    cfg = composed(f"+method={name}", "bits=2.322", f"output.root={tmp_path}", f"data.root={data_root}")
+    assert "bits" not in cfg["method"]  # the node does not have to remember a line
+    plan = run_module.plan_run(cfg)
+    assert plan.method.config.bits == 2.322
+    assert plan.config["method"]["bits"] == 2.322  # what config.json holds and the run id hashes
+    assert "bits_ignored" not in plan.warnings
+    assert plan.run_id == run_id({**cfg, "method": {**cfg["method"], "bits": 2.322}})
+    default = run_module.plan_run({**cfg, "bits": None})
+    assert default.method.config.bits == METHODS.get(name).Config.default_bits != 2.322
+    assert default.run_id != plan.run_id
+
+
+def test_readkv_reads_the_run_bits_as_its_read_budget(tmp_path, data_root):
+    cfg = composed("+method=readkv", "bits=3", f"output.root={tmp_path}", f"data.root={data_root}")
+    plan = run_module.plan_run(cfg)
+    assert (plan.method.config.bits, plan.method.config.read_bits) == (8.0, 3.0)
+    assert plan.method.label() == "readkv-3of8b"
+    # without a bit width, its own default read budget
+    default = run_module.plan_run({**cfg, "bits": None})
+    assert default.method.config.read_bits == 4.0
+
+
+def test_a_value_the_node_sets_wins_and_the_ignored_bits_are_named(tmp_path, data_root):
+    cfg = tiny_config(tmp_path, data_root, {"name": "kivi", "bits": 4})
+    plan = run_module.plan_run({**cfg, "bits": 3})
+    assert plan.method.config.bits == 4.0
+    assert "method node sets method.bits=4" in plan.warnings["bits_ignored"]
+    # the same value twice is no conflict
+    assert "bits_ignored" not in run_module.plan_run({**cfg, "bits": 4}).warnings
+
+
+@pytest.mark.parametrize(
+    "method, phrase",
+    [
+        (None, "no +method was given, so this is the FP16 baseline"),
+        ({"name": "fp16"}, "fp16 has no bits"),
+        ({"name": "h2o"}, "h2o-b0.25 has no bits"),
+    ],
+)
+def test_methods_without_a_bits_knob_ignore_bits_as_before(method, phrase, tmp_path, data_root):
+    cfg = tiny_config(tmp_path, data_root, method)
+    plan = run_module.plan_run({**cfg, "bits": 3})
+    assert plan.warnings["bits_ignored"] == f"bits=3 is ignored: {phrase}"
+    assert plan.method.config.bits is None
+    assert plan.config.get("method") == method  # nothing written into the node
+    # one run whatever the bits
+    assert plan.run_id == run_module.plan_run({**cfg, "bits": 1}).run_id

@@ -29,7 +29,12 @@ class MethodConfig:
     reads the stored codes: ``torch`` (the reference, default) or ``triton`` (kernels that hold the
     same bytes; needs CUDA or the Triton CPU interpreter). ``sink_tokens`` keeps the first k tokens
     of every sequence lossless in ``fp_dtype`` in front of any method's storage (IntactKV; KVQuant's
-    attention sink)."""
+    attention sink).
+
+    ``bits_knob`` names the field the run's top-level ``bits`` fills (:func:`with_run_bits`):
+    ``bits`` for a method whose code width is its bit knob, another field where the run's bits mean
+    something else (ReadKV: the read budget), ``None`` for a method without one (FP16, eviction), so
+    that a node never has to carry a ``bits: ${bits}`` line to see the run's value."""
 
     name: str = ""
     bits: float | None = None
@@ -40,6 +45,7 @@ class MethodConfig:
     default_bits: ClassVar[float | None] = None
     # The backends a method implements; a method with only the torch reference sets ("torch",).
     backends: ClassVar[tuple[str, ...]] = BACKENDS
+    bits_knob: ClassVar[str | None] = "bits"
 
     def __post_init__(self):
         check_choice("method.fp_dtype", self.fp_dtype, (*DTYPES, "auto"))
@@ -135,9 +141,20 @@ class Method:
         return self.Layer(layer_idx, self.config, self.config.torch_fp_dtype(model_dtype))
 
     def after_forward(self, cache: KVBenchCache, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
-        """Called by the decode loop after every forward with its ``input_ids [B, t]`` and float32
-        ``logits [B, t, vocab]``: methods that decide what to store from the model's outputs
-        (SemKV's logit metrics, delayed allocation) act here. Default: nothing."""
+        """Called by :meth:`kvbench.generate.ModelRunner.forward` after every forward (prefill,
+        decode step, scored chunk) with its ``input_ids [B, t]`` and float32 ``logits [B, t, vocab]``:
+        methods that decide what to store from the model's outputs (SemKV's logit metrics, delayed
+        allocation) act here. Default: nothing."""
+
+    def decode_step(self, runner, cache: KVBenchCache, input_ids: torch.Tensor) -> torch.Tensor:
+        """One decode step: feed ``input_ids [1, 1]``, the token just chosen (or, when scoring, the
+        next given token), and return float32 logits ``[1, 1, vocab]`` that predict the token after
+        it. The generation loop calls it for every token after the prefill and the scoring loop for
+        every one-token forward, so a method that changes how a step runs (SpeCache's two-token
+        speculative forward) is decoded and scored alike. It must go through ``runner.forward``
+        (which runs :meth:`after_forward`) for every forward it makes, and may keep per-request
+        state on ``cache``, which is fresh for every request. Default: one plain forward."""
+        return runner.forward(input_ids, cache)
 
     def prepare(self, model, tokenizer, shape: ModelShape, data_root) -> None:
         """Called once after the model is loaded and before any sample runs: offline calibration
@@ -158,9 +175,30 @@ class Method:
         return self.registered_name if bits is None else f"{self.registered_name}-{bits:g}b"
 
 
-def build_method(node: dict[str, Any] | None) -> Method:
-    """Method object from a ``method`` config node (``None``: the FP16 baseline)."""
-    node = dict(node or {"name": "fp16"})
+def with_run_bits(node: dict[str, Any] | None, bits: float | None) -> dict[str, Any] | None:
+    """``node`` with the run's top-level ``bits`` in the field its config names as ``bits_knob``,
+    where the node leaves that field unset (absent or null); a value the node sets itself wins.
+
+    The key is written even when ``bits`` is null, so the resolved node reads the same whether or
+    not a bit width was given: it is what the run writes to config.json and hashes into its run id
+    (:func:`kvbench.results.canonical_config` keeps the top-level ``bits`` exactly when the node has
+    a ``bits`` key). ``None`` (no method: the FP16 baseline), a node of a method without a bits
+    knob and a node naming no registered method (:func:`build_method` reports that) come back as
+    they are."""
+    if node is None:
+        return None
+    node = dict(node)
+    name = node.get("name")
+    knob = METHODS.get(name).Config.bits_knob if isinstance(name, str) and name in METHODS else None
+    if knob is not None and node.get(knob) is None:
+        node[knob] = bits
+    return node
+
+
+def build_method(node: dict[str, Any] | None, bits: float | None = None) -> Method:
+    """Method object from a ``method`` config node (``None``: the FP16 baseline), with the run's
+    top-level ``bits`` filled in by :func:`with_run_bits`."""
+    node = dict(with_run_bits(node, bits) or {"name": "fp16"})
     name = node.get("name")
     if not name:
         raise ConfigError("method.name", name, f"registered methods are {', '.join(METHODS.names())}")

@@ -47,6 +47,8 @@ class EvictionConfig(MethodConfig):
     window: Any = 32
     matched_memory: dict[str, Any] | None = None
 
+    bits_knob: ClassVar[str | None] = None  # keeps tokens in fp_dtype: the run's bits change nothing
+
     def __post_init__(self):
         super().__post_init__()
         b = self.budget

@@ -7,6 +7,7 @@ cache; ``auto`` keeps the model's dtype, which makes generation identical to pla
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -18,6 +19,8 @@ from kvbench.methods.base import Method, MethodConfig, register_method
 @dataclass
 class FP16Config(MethodConfig):
     name: str = "fp16"
+
+    bits_knob: ClassVar[str | None] = None  # nothing is quantized: the run's bits change nothing
 
 
 class FullPrecisionLayer(KVLayer):

@@ -79,6 +79,7 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
 
     backends: ClassVar[tuple[str, ...]] = ("torch",)
     default_bits: ClassVar[float] = 8.0
+    bits_knob: ClassVar[str | None] = "read_bits"  # the run's bits set the read budget, not B
 
     def __post_init__(self):
         super().__post_init__()

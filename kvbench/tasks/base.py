@@ -51,7 +51,10 @@ class Task:
         raise NotImplementedError
 
     def check_model(self, shape, tokenizer) -> None:
-        """Raise ConfigError when the task cannot run on this model (e.g. context too long)."""
+        """Raise ConfigError when the task cannot run on this model (e.g. context too long).
+        ``shape`` is a :class:`kvbench.models.ModelShape` (``shape.max_context`` None: no limit
+        known). Runs before the weights load when the model's files are local, else right after.
+        Default: nothing to check."""
 
     def prompt_lengths(self) -> list[int]:
         """The prompt lengths (tokens) the samples will have, where the config fixes them; methods
@@ -59,9 +62,11 @@ class Task:
         return []
 
     def run(self, sample: dict[str, Any], runner) -> dict[str, Any]:
-        """Run one sample with a :class:`kvbench.generate.ModelRunner`. Returns the row: at least
-        ``prompt_tokens``, ``prediction`` and every score (``self.primary_metric`` among them);
-        include ``memory`` (a :class:`MemoryReport`) from the generation so the runner records it."""
+        """Run one sample with a :class:`kvbench.generate.ModelRunner`, through its generation loop
+        (``runner.generate``) or its scoring loop (``runner.score``), never a loop of the task's own,
+        so every method hook applies. Returns the row: at least ``prompt_tokens``, ``prediction``
+        and every score (``self.primary_metric`` among them); include ``memory`` (a
+        :class:`MemoryReport`) from the generation so the runner records it."""
         raise NotImplementedError
 
     def aggregate(self, rows: list[dict[str, Any]]) -> dict[str, float]:

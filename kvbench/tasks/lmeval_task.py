@@ -241,7 +241,7 @@ class LMEvalBase(Task):
         return rows
 
     def check_model(self, shape, tokenizer) -> None:
-        limit = getattr(shape, "max_context", None)
+        limit = shape.max_context
         if limit and self.config.max_gen_toks and self.config.max_gen_toks >= limit:
             raise ConfigError(
                 "task.max_gen_toks", self.config.max_gen_toks, f"fewer than the model's {limit}-token context"

@@ -349,7 +349,7 @@ class LongBench(Task):
 
     def check_model(self, shape, tokenizer) -> None:
         """Every task's truncated prompt, chat template and official generation must fit the context."""
-        limit = getattr(shape, "max_context", None)
+        limit = shape.max_context
         if not limit:
             return
         budget = self.config.max_prompt_tokens

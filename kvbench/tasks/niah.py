@@ -237,7 +237,7 @@ class NIAH(Task):
         return rows[: self.config.limit] if self.config.limit else rows
 
     def check_model(self, shape, tokenizer) -> None:
-        limit = getattr(shape, "max_context", None)
+        limit = shape.max_context
         too_long = [n for n in self.config.context_lengths if limit and n > limit]
         if too_long:
             raise ConfigError(

@@ -1,10 +1,22 @@
 """``perplexity``: perplexity of a continuation read through the method's cache.
 
 For each window the context is prefilled into a fresh cache of the method, then the continuation is
-scored ``chunk`` tokens per forward (:meth:`kvbench.generate.ModelRunner.score`), every forward
-reading all earlier tokens from the stored cache. A quantizing method therefore changes the score;
-the usual sliding-window perplexity, which scores the prefill's own logits, would never read the
-quantized cache at all. Only continuation tokens are scored.
+scored ``chunk`` tokens per forward by the shared scoring loop
+(:meth:`kvbench.generate.ModelRunner.score`, ``first="prefill"``), every forward reading all earlier
+tokens from the stored cache. A quantizing method therefore changes the score; the usual
+sliding-window perplexity, which scores the prefill's own logits, would never read the quantized
+cache at all. Only continuation tokens are scored: the first from the prefill's last logits (the one
+prediction that reads no stored token), every later one from a forward of the token before it.
+
+One-token forwards are the method's decode step, as in generation, so a method that drives its own
+step is scored as it decodes: SpeCache's pre-decoding and speculative two-token forwards run here as
+they do in ``generate``. With ``chunk: 1`` tokens 1.. of a window therefore score exactly as the
+lm-eval adapter's ``loglikelihood`` of the continuation's tail after the context and its first token.
+Only SpeCache's numbers changed when this loop began calling the decode step (before, its scored
+forwards skipped the hook): with the task's defaults on the default model, speculative SpeCache went
+from 16.69 to 18.33 at 1 bit and from 15.05 to 15.12 at 2 bits, with the same bytes held; its
+non-speculative variant, and every other method, whose decode step is the plain forward, score
+exactly as before.
 
 Text (``dataset``):
 
@@ -277,7 +289,7 @@ class Perplexity(Task):
 
     def check_model(self, shape, tokenizer) -> None:
         c = self.config
-        limit = getattr(shape, "max_context", None)
+        limit = shape.max_context
         need = c.context_length + c.continuation_length
         if limit and need > limit:
             raise ConfigError(
@@ -290,9 +302,15 @@ class Perplexity(Task):
     def prompt_lengths(self) -> list[int]:
         return [self.config.context_length]
 
+    def score(self, window: int, runner):
+        """Window ``window`` scored through ``runner``'s cache: a :class:`kvbench.generate.Scored`."""
+        context, continuation = self.window_pairs(runner.tokenizer)[window]
+        ids = torch.tensor([context]), torch.tensor([continuation])
+        return runner.score(*ids, chunk=self.config.chunk, first="prefill")
+
     def run(self, sample: dict[str, Any], runner) -> dict[str, Any]:
-        context, continuation = self.window_pairs(runner.tokenizer)[sample["window"]]
-        scored = runner.score(torch.tensor([context]), torch.tensor([continuation]), chunk=self.config.chunk)
+        context = self.window_pairs(runner.tokenizer)[sample["window"]][0]
+        scored = self.score(sample["window"], runner)
         nll_mean = sum(scored.nll) / len(scored.nll)
         return {
             "prompt_tokens": len(context),
