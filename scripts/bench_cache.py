@@ -1,33 +1,58 @@
-"""Decode-step time and KV bytes of fp16 and kivi-2 (torch path) on the default model.
+"""Decode-step time, KV bytes and transient memory of every registered method and of transformers'
+own caches, measured side by side in one process on the default model.
 
-For each context length the real prefill is computed once (a plain forward into transformers'
-DynamicCache); its keys and values are exactly what any method's prefill would store, since
-prefill attends the full-precision states. Each method's cache is then filled from those states
-and timed on the same decode steps. Prints one table with the ratio kivi/fp16 and writes it as CSV.
+Caches compared at each context length:
 
-    python scripts/bench_cache.py                      # 1K, 4K, 8K
-    python scripts/bench_cache.py --contexts 1024 --steps 4
+- every method in the registry at 2 bits where it has a bit width (SemKV at its own default width,
+  since its two-level mix must lie between two level counts; eviction methods at their default
+  budget), through kvbench's decode step (the method's own hooks included);
+- ``DynamicCache``: transformers' plain cache (SDPA over full-precision keys and values);
+- ``QuantizedCache(quanto, 2 bits)`` with KIVI's group size 32 and residual 128, when
+  ``optimum-quanto`` is installed (``pip install -e ".[bench]"``);
+- ``QuantizedCache(fp8)``, which needs nothing extra.
+
+Every cache gets a real prefill of the same haystack prompt through its own forward. Then the decode
+steps are **interleaved**: step i of every cache runs before step i+1 of any, in a rotating order,
+so drifting machine load hits all caches alike. Each step feeds the same token to every cache (the
+greedy path of ``DynamicCache``), so the work per step is identical. Reported per cache: the median
+step time over ``--steps`` steps after ``--warmup``, its ratio to ``DynamicCache`` and to kvbench
+``fp16``, the KV bytes held (kvbench: its accounting; transformers' caches: every tensor the layers
+hold, quantized payloads flattened to their data, scales and shifts), and the peak transient
+memory of one more decode step: the most bytes held at once by tensors created during that step
+(tracked at the aten level, so it counts what the step allocates beyond the cache it reads).
+
+    python scripts/bench_cache.py --threads 2    # 1K, 4K, 8K; writes results/bench_cache.{csv,md}
+    python scripts/bench_cache.py --contexts 1024 --steps 4 --only fp16 kivi DynamicCache
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
+import gc
+import platform
 import statistics
 import sys
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from transformers import DynamicCache, QuantizedCache
 
-from kvbench.builder import load_for_methods
+from kvbench.builder import LoadedModel, load_for_methods
 from kvbench.cache import memory_report
 from kvbench.data import resolve_data_root
-from kvbench.methods import build_method
+from kvbench.errors import ConfigError
+from kvbench.generate import ModelRunner
+from kvbench.methods import METHODS, build_method
 
-METHODS = {"fp16": {"name": "fp16"}, "kivi-2": {"name": "kivi", "bits": 2}}
-DEFAULT_MODEL = "smollm2-135m"
+BENCH_BITS = 2
+PEER_LABELS = ("DynamicCache", "QuantizedCache-quanto-2b", "QuantizedCache-fp8")
 
 
 def haystack_ids(tokenizer, n: int) -> torch.Tensor:
@@ -39,16 +64,183 @@ def haystack_ids(tokenizer, n: int) -> torch.Tensor:
     return torch.tensor([ids[:n]])
 
 
-@torch.no_grad()
-def time_decode(model, cache, first_token: int, steps: int, warmup: int) -> list[float]:
-    times, token = [], torch.tensor([[first_token]])
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        logits = model(input_ids=token, cache=cache, use_cache=True).logits
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        token = logits[:, -1:].argmax(-1)
-    return times
+def method_node(name: str) -> dict:
+    """The registry's node for ``name`` at :data:`BENCH_BITS` when the method takes a bit width and
+    accepts that one; else its defaults."""
+    node = {"name": name, "bits": BENCH_BITS}
+    try:
+        build_method(node)
+    except (ConfigError, TypeError):
+        node = {"name": name}
+    return node
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of a tensor, a tensor subclass flattened to its inner tensors (quanto's packed
+    payload, scale and shift), a tuple or list of them (the fp8 layer's ``(payload, scale)``), or 0
+    for anything else."""
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(x) for x in obj)
+    if not isinstance(obj, torch.Tensor):
+        return 0
+    if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+        names, _ = obj.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(obj, n)) for n in names)
+    return obj.numel() * obj.element_size()
+
+
+def peer_bytes(cache) -> int:
+    return sum(tensor_bytes(v) for layer in cache.layers for v in vars(layer).values())
+
+
+class PeakLive(TorchDispatchMode):
+    """Peak bytes held at once by tensors that aten ops create while the mode is active. Storage
+    is counted once and released when the tensor that brought it dies; an output that shares an
+    input's storage (a view, an in-place op) brings nothing new."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _release(self, ptr: int, nbytes: int) -> None:
+        self._seen.discard(ptr)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if type(t) is torch.Tensor and t.device.type != "meta":
+                storage = t.untyped_storage()
+                ptr, nbytes = storage.data_ptr(), storage.nbytes()
+                if nbytes and ptr not in self._seen and ptr not in inputs:
+                    self._seen.add(ptr)
+                    self.live += nbytes
+                    weakref.finalize(t, self._release, ptr, nbytes)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+@dataclasses.dataclass
+class Contender:
+    """One cache under test: how to prefill it and how to run one decode step on it."""
+
+    label: str
+    prefill: Callable[[torch.Tensor], torch.Tensor]  # ids [1, T] -> logits
+    step: Callable[[torch.Tensor], torch.Tensor]  # token [1, 1] -> logits
+    kv_bytes: Callable[[], int]
+    times: list[float] = dataclasses.field(default_factory=list)
+
+
+def kvbench_contender(label: str, runner: ModelRunner) -> Contender:
+    cache = runner.new_cache()
+    return Contender(
+        label,
+        prefill=lambda ids: runner.forward(ids, cache),
+        step=lambda tok: runner.decode_step(tok, cache),
+        kv_bytes=lambda: memory_report(cache.layers).total_bytes,
+    )
+
+
+def transformers_contender(label: str, model, cache) -> Contender:
+    @torch.no_grad()
+    def forward(ids):
+        return model(input_ids=ids, cache=cache, use_cache=True).logits.float()
+
+    return Contender(label, prefill=forward, step=forward, kv_bytes=lambda: peer_bytes(cache))
+
+
+def peers(model) -> list[Contender]:
+    out = [transformers_contender("DynamicCache", model, DynamicCache(config=model.config))]
+    try:
+        import optimum.quanto  # noqa: F401
+
+        quanto = QuantizedCache("quanto", model.config, nbits=2, q_group_size=32, residual_length=128)
+        out.append(transformers_contender("QuantizedCache-quanto-2b", model, quanto))
+    except ImportError:
+        print("optimum-quanto is not installed: QuantizedCache(quanto) is left out", file=sys.stderr)
+    out.append(transformers_contender("QuantizedCache-fp8", model, QuantizedCache("fp8", model.config)))
+    return out
+
+
+def bench_context(loaded: LoadedModel, n: int, labels: list[str], steps: int, warmup: int) -> list[dict]:
+    ids = haystack_ids(loaded.tokenizer, n)
+    contenders = []
+    for name in METHODS.names():
+        if labels and name not in labels:
+            continue
+        method = build_method(method_node(name))
+        contenders.append(kvbench_contender(name, loaded.runner(method, resolve_data_root(None))))
+    contenders += [c for c in peers(loaded.model) if not labels or c.label in labels]
+    # The greedy path of the reference cache is fed to every cache.
+    reference = next((c for c in contenders if c.label == "DynamicCache"), contenders[0])
+    with torch.no_grad():
+        for c in contenders:
+            logits = c.prefill(ids)
+            if c is reference:
+                tokens = [int(logits[0, -1].argmax())]
+            print(f"  prefilled {c.label} at {n}", file=sys.stderr, flush=True)
+        for i in range(steps + warmup + 1):
+            order = contenders[i % len(contenders) :] + contenders[: i % len(contenders)]
+            for c in order:
+                tok = torch.tensor([[tokens[i]]])
+                t0 = time.perf_counter()
+                logits = c.step(tok)
+                elapsed = time.perf_counter() - t0
+                if i >= warmup and i < warmup + steps:
+                    c.times.append(elapsed)
+                if c is reference:
+                    tokens.append(int(logits[0, -1].argmax()))
+        peaks = {}
+        for c in contenders:
+            gc.collect()
+            with PeakLive() as tracker:
+                c.step(torch.tensor([[tokens[-1]]]))
+            peaks[c.label] = tracker.peak
+    by_label = {c.label: statistics.median(c.times) for c in contenders}
+    dyn, fp16 = by_label.get("DynamicCache"), by_label.get("fp16")
+    rows = []
+    for c in contenders:
+        t = by_label[c.label]
+        rows.append(
+            {
+                "context": n,
+                "cache": c.label,
+                "step_ms": round(1e3 * t, 2),
+                "vs_DynamicCache": round(t / dyn, 3) if dyn else None,
+                "vs_fp16": round(t / fp16, 3) if fp16 else None,
+                "kv_bytes": c.kv_bytes(),
+                "peak_transient_bytes": peaks[c.label],
+            }
+        )
+        print(rows[-1], file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], args) -> str:
+    lines = [
+        "# Decode step: every kvbench method against transformers' caches, default model",
+        "",
+        f"`python scripts/bench_cache.py --threads {args.threads}` (CSV: `{args.out.with_suffix('.csv')}`). "
+        f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        "float32 model (SmolLM2-135M-Instruct, 30 layers, 3 KV heads x 64).",
+        f"Steps interleaved across caches; median of {args.steps} steps after {args.warmup} warm-up. "
+        "Peak transient: the most bytes held at once by tensors created during one decode step.",
+        "",
+        "| context | cache | step ms | vs DynamicCache | vs kvbench fp16 | KV bytes | peak transient bytes |",
+        "|--:|:--|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['context']} | {r['cache']} | {r['step_ms']:.2f} | {r['vs_DynamicCache']} | "
+            f"{r['vs_fp16']} | {r['kv_bytes']:,} | {r['peak_transient_bytes']:,} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -58,54 +250,25 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--only", nargs="+", default=[], help="cache labels to keep (method names, peer labels)"
+    )
     parser.add_argument("--out", type=Path, default=Path("results/bench_cache.csv"))
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
 
-    loaded = load_for_methods(DEFAULT_MODEL, device="cpu")
-    model, tokenizer = loaded.model, loaded.tokenizer
+    loaded = load_for_methods("smollm2-135m", device="cpu")
     rows = []
     for n in args.contexts:
-        ids = haystack_ids(tokenizer, n)
-        with torch.no_grad():
-            states = DynamicCache(config=model.config)
-            out = model(input_ids=ids, cache=states, use_cache=True)
-        first = int(out.logits[0, -1].argmax())
-        per_method = {}
-        for label, node in METHODS.items():
-            cache = loaded.runner(build_method(node)).new_cache()
-            for i, layer in enumerate(states.layers):
-                cache.update(layer.keys, layer.values, i)
-            kv_bytes = memory_report(cache.layers).total_bytes
-            times = time_decode(model, cache, first, args.steps, args.warmup)
-            per_method[label] = (statistics.median(times), kv_bytes)
-        fp_t, fp_b = per_method["fp16"]
-        kv_t, kv_b = per_method["kivi-2"]
-        rows.append(
-            {
-                "context": n,
-                "fp16_step_ms": round(1e3 * fp_t, 2),
-                "kivi2_step_ms": round(1e3 * kv_t, 2),
-                "time_ratio_kivi2_over_fp16": round(kv_t / fp_t, 3),
-                "fp16_kv_bytes": fp_b,
-                "kivi2_kv_bytes": kv_b,
-                "bytes_ratio_fp16_over_kivi2": round(fp_b / kv_b, 3),
-            }
-        )
-        print(rows[-1], file=sys.stderr, flush=True)
-
-    cols = list(rows[0])
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(str(r[c]) for c in cols))
+        rows += bench_context(loaded, n, args.only, args.steps, args.warmup)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=cols)
+    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"device: cpu x{torch.get_num_threads()} threads, torch {torch.__version__}; written {args.out}")
+    args.out.with_suffix(".md").write_text(markdown(rows, args))
+    print(markdown(rows, args))
     return 0
 
 
