@@ -11,11 +11,12 @@ Where a dataclass annotation is wider than OmegaConf can type (a union such as `
 ``Any`` and left to ``__post_init__``.
 
 The check is strict where OmegaConf would convert: a string is not an int, a float or a bool
-(``'4'``, ``yes``), and a number is not a string or a bool; an int is a float (Python's numeric
-tower). Values are then handed to the dataclass exactly as given, so a config that was accepted
-before builds the same object (a NIAH depth written ``50`` stays the int 50). One value where a
-list is declared is checked as a one-element list and handed on as given: the config decides
-whether one name stands for a list (``task.tasks=hotpotqa``).
+(``'4'``, ``yes``), and a bool is not a number or a string; an int is a float (Python's numeric
+tower), and a number is a string (Hydra reads ``task.pg19_book=10146`` as an int; the config
+decides what to make of it). Values are then handed to the dataclass exactly as given, so a
+config that was accepted before builds the same object (a NIAH depth written ``50`` stays the int
+50). One value where a list is declared is checked as a one-element list and handed on as given:
+the config decides whether one name stands for a list (``task.tasks=hotpotqa``).
 """
 
 from __future__ import annotations
@@ -89,11 +90,11 @@ def checked(cls: type, data: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 def _check_exact(value: Any, hint: Any, key: str) -> None:
     """Reject the conversions OmegaConf would make between primitives (``'4'`` -> 4, ``yes`` ->
-    True, 2 -> ``'2'``); walks lists, mappings and nested dataclasses."""
+    True, True -> 1); walks lists, mappings and nested dataclasses."""
     if value is None or hint is None:
         return
     hint = _strip_optional(hint)
-    wanted = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}.get(hint)
+    wanted = {int: (int,), float: (int, float), bool: (bool,), str: (str, int, float)}.get(hint)
     if wanted is not None:
         if not isinstance(value, wanted) or (hint is not bool and isinstance(value, bool)):
             raise ConfigError(key, value, describe(hint))

@@ -51,11 +51,13 @@ def test_values_of_the_declared_types_pass_unchanged():
 
 
 def test_no_conversion_between_primitives():
-    """OmegaConf would read '16' as 16 and 'no' as False; a config that means a number says one."""
+    """OmegaConf would read '16' as 16 and 'no' as False; a config that means a number says one.
+    A number where a string is declared passes as given (the config decides)."""
     assert error({"name": "x", "size": "16"}) == "node.size='16': an int"
     assert error({"name": "x", "scale": True}) == "node.scale=True: a number"
     assert error({"name": "x", "name2": 1}).startswith("node.name2=1: unknown key; did you mean name?")
-    assert error({"name": 3}) == "node.name=3: a string"
+    assert error({"name": True}) == "node.name=True: a string"
+    assert build_config(Node, {"name": 10146}, "node").name == 10146  # Hydra's reading of a bare number
     assert error({"name": "x", "output": {"resume": "no"}}) == "node.output.resume='no': true or false"
     assert error({"name": "x", "output": {"resume": 1}}) == "node.output.resume=1: true or false"
     assert error({"name": "x", "extra": {"k": 1}, "depths": [1, "2"]}) == "node.depths[1]='2': a number"
