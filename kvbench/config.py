@@ -192,9 +192,32 @@ def describe(hint: Any) -> str:
 
 @functools.cache
 def field_types(cls: type) -> dict[str, Any]:
-    """The resolved annotation of every init field of dataclass ``cls``."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls) if f.init}
+    """The annotation of every init field of dataclass ``cls`` as the check uses it: ``Any`` where
+    the annotation does not resolve, or where the field's own default does not fit it (the check
+    must never reject what the dataclass itself declares)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a name only imported for type checkers: leave every field to __post_init__
+        hints = {}
+    types_ = {}
+    for f in dataclasses.fields(cls):
+        if f.init:
+            hint = hints.get(f.name, Any)
+            types_[f.name] = hint if _default_fits(f, omegaconf_type(hint)) else Any
+    return types_
+
+
+def _default_fits(f: dataclasses.Field, typed: Any) -> bool:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if typed is Any:
+        return True
+    try:
+        OmegaConf.structured(dataclasses.make_dataclass("Probe", [(f.name, typed, _schema_field(f))]))
+    except OmegaConfBaseException:
+        return False
+    return True
 
 
 def omegaconf_type(hint: Any) -> Any:
@@ -226,20 +249,22 @@ def omegaconf_type(hint: Any) -> Any:
 def schema(cls: type) -> type:
     """A dataclass with ``cls``'s init fields and defaults, typed as OmegaConf can check them, and
     without ``__post_init__`` (cross-field rules run once, on the real class)."""
+    types_ = field_types(cls)
+    fields = [
+        (f.name, omegaconf_type(types_[f.name]), _schema_field(f)) for f in dataclasses.fields(cls) if f.init
+    ]
+    return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
+
+
+def _schema_field(f: dataclasses.Field) -> Any:
+    """A schema field with ``f``'s default (OmegaConf's ``???`` where it has none)."""
     from omegaconf import MISSING
 
-    fields = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = dataclasses.field(default=_schema_default(f.default))
-        elif f.default_factory is not dataclasses.MISSING:
-            default = dataclasses.field(default_factory=functools.partial(_made, f.default_factory))
-        else:
-            default = dataclasses.field(default=MISSING)
-        fields.append((f.name, omegaconf_type(field_types(cls)[f.name]), default))
-    return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
+    if f.default is not dataclasses.MISSING:
+        return dataclasses.field(default=_schema_default(f.default))
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=functools.partial(_made, f.default_factory))
+    return dataclasses.field(default=MISSING)
 
 
 def _made(factory):

@@ -122,3 +122,30 @@ def test_method_and_task_nodes_reject_wrong_types():
         build_method({"name": "kivi", "bits": 2, "group_size": "wide"})
     with pytest.raises(ConfigError, match=r"^task.max_new_tokens=1.5: an int$"):
         build_task({"name": "niah", "max_new_tokens": 1.5}, None, 0)
+
+
+@dataclass
+class Loose:
+    """A default outside its annotation: the field is left to __post_init__."""
+
+    size: int = None  # type: ignore[assignment]
+    rate: float = "auto"  # type: ignore[assignment]
+    count: int = 0
+
+
+@dataclass
+class Unresolved:
+    """An annotation that only resolves for type checkers: every field is left to __post_init__."""
+
+    later: NotImported | None = None  # noqa: F821
+    count: int = 0
+
+
+def test_what_the_dataclass_declares_is_never_rejected():
+    cfg = build_config(Loose, {"size": None, "rate": "fast"}, "loose")
+    assert cfg.size is None and cfg.rate == "fast"
+    with pytest.raises(ConfigError, match=r"^loose.count='3': an int$"):
+        build_config(Loose, {"count": "3"}, "loose")  # the other fields are still checked
+    assert build_config(Unresolved, {"later": "soon", "count": "3"}, "u").count == "3"
+    with pytest.raises(ConfigError, match=r"^u.nope=1: unknown key"):
+        build_config(Unresolved, {"nope": 1}, "u")
