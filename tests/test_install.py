@@ -65,9 +65,11 @@ def test_installed_package_holds_the_configs(installed, tmp_path):
     conf_dir, checkout = proc.stdout.split()
     assert not Path(conf_dir).is_relative_to(REPO)  # the installed copy, not the checkout
     assert (Path(conf_dir) / "config.yaml").is_file()
-    assert sorted(p.name for p in (Path(conf_dir) / "method").glob("*.yaml")) == sorted(
-        p.name for p in (REPO / "kvbench" / "conf" / "method").glob("*.yaml")
-    )
+
+    def tree(root: Path) -> list[str]:
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*.yaml"))
+
+    assert tree(Path(conf_dir)) == tree(REPO / "kvbench" / "conf")  # every node, nested arms included
     assert checkout == "None"  # an installed package reads ./results, or --results
 
 

@@ -1,9 +1,9 @@
 """Paired statistics: the tests (``paired``), a method vs the FP16 reference over a results table
-(``compare``), bit-grid cliffs (``cliff``), runaway generations (``runaway``) and the sample sizes a
+(``comparison``), bit-grid cliffs (``cliff``), runaway generations (``runaway``) and the sample sizes a
 comparison needs (``power``)."""
 
 from kvbench.stats.cliff import Cliff, locate_cliff
-from kvbench.stats.compare import VERDICTS, compare, verdict
+from kvbench.stats.comparison import VERDICTS, compare, verdict
 from kvbench.stats.paired import (
     PAIR_KEYS,
     aligned_pairs,

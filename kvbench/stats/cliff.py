@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from kvbench.stats.compare import VERDICTS
+from kvbench.stats.comparison import VERDICTS
 
 # --------------------------------------------------------------------------------------- cliff
 
