@@ -1,9 +1,12 @@
-"""``longbench``: LongBench v1, the 16 English tasks, under the benchmark's own prediction protocol.
+"""``longbench``: LongBench v1, all 21 tasks, under the benchmark's own prediction protocol.
 
 Bai et al., "LongBench: A Bilingual, Multitask Benchmark for Long Context Understanding" (ACL 2024).
 KIVI, SpeCache and most KV-cache quantization papers report LongBench with the official scripts
 (``pred.py`` for generation, ``eval.py``/``metrics.py`` for scoring); this task follows them so a
-kvbench number means the same thing:
+kvbench number means the same thing. The default is the 16 tasks those papers report (14 English and
+the 2 code tasks); the 5 Chinese tasks (multifieldqa_zh, dureader, vcsum, lsht, passage_retrieval_zh)
+run when named (``task.tasks=zh`` for the five, ``task.tasks=all`` for all 21) and go through the same
+protocol:
 
 1. **Prompt.** The task's official template (``<data_root>/longbench/config/dataset2prompt.json``,
    read at run time) filled with the sample's ``context`` and ``input``.
@@ -21,22 +24,31 @@ kvbench number means the same thing:
    official script, also stops at the newline token and may not stop on the first token.
    ``max_new_tokens_cap`` (default off) lowers the lengths for slow hardware; it is recorded in every
    row and in the metrics.
-5. **Scoring** (:mod:`kvbench.tasks.longbench_metrics`): trec/triviaqa/samsum keep only the first line
-   of the prediction; the task's metric is taken against every gold answer and the best kept.
+5. **Scoring** (:mod:`kvbench.tasks.longbench_metrics`, routed by ``METRIC_OF`` as the official
+   ``dataset2metric``): trec/triviaqa/samsum/lsht keep only the first line of the prediction; the
+   task's metric is taken against every gold answer and the best kept. The Chinese metrics segment
+   text with jieba, whose dictionary loads only when a Chinese task is scored. ``code_sim_backend``
+   picks the string matcher behind lcc and repobench-p (the official scorer's result depends on
+   whether python-Levenshtein is installed): ``levenshtein`` (default) or ``difflib``.
 
 Per-sample ``score`` is in [0, 1]. The task score is the mean over its samples in points (x100), a
 group score the mean of its task scores, and ``score`` in the metrics the mean of all task scores, as
-the papers' "Average" column.
+the papers' "Average" column. The Chinese tasks form their own groups (``zh_single_doc_qa``, ...; one
+task each, as in LongBench's Chinese table), so the English group scores keep their meaning; a run
+with Chinese tasks also reports ``score_en`` (the mean over the 16 default tasks it scored),
+``score_zh`` (over the Chinese ones) and the ``jieba_version`` that segmented them.
 
-Data (``source``):
+Data (``source``), the same for every task:
 
-- ``minilongbench``: the MiniLongBench subset (arXiv 2505.19959; 187 samples over the 16 tasks) in
-  ``<data_root>/longbench/minilongbench_extracted/<task>.jsonl``. Its repobench-p rows hold the whole
-  ``{context}{input}`` text in ``context`` with an empty ``input``; the template concatenates the two
-  with nothing between, so the prompt is the official one.
+- ``minilongbench``: the MiniLongBench subset (arXiv 2505.19959; 237 samples over the 21 tasks, 187
+  of them in the 16 default tasks) in ``<data_root>/longbench/minilongbench_extracted/<task>.jsonl``.
+  Its repobench-p rows hold the whole ``{context}{input}`` text in ``context`` with an empty
+  ``input``; the template concatenates the two with nothing between, so the prompt is the official
+  one.
 - ``hub``: the full LongBench test split: ``<data_root>/longbench/data/<task>.jsonl`` (the Hub's
-  ``data.zip`` unpacked into the data root) when present, else ``data.zip`` from the
-  ``THUDM/LongBench`` dataset repository on the Hugging Face Hub (cached by ``huggingface_hub``).
+  ``data.zip`` unpacked into the data root; it holds all 21 tasks) when present, else ``data.zip``
+  from the ``THUDM/LongBench`` dataset repository on the Hugging Face Hub (cached by
+  ``huggingface_hub``).
 - ``auto``: the full split in the data root, else the MiniLongBench subset in the data root, else the
   Hub.
 
@@ -46,6 +58,8 @@ so results from the two never mix.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,10 +72,10 @@ from kvbench.config import check_choice, is_int, require
 from kvbench.data import parse_json_lines, read_json, read_json_lines, require_file
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
-from kvbench.tasks.longbench_metrics import score_sample
+from kvbench.tasks.longbench_metrics import CODE_SIM_BACKENDS, score_sample
 
-# The papers' grouping of the 16 English tasks, in LongBench's table order.
-GROUPS: dict[str, tuple[str, ...]] = {
+# The papers' grouping of the 16 English and code tasks, in LongBench's table order.
+ENGLISH_GROUPS: dict[str, tuple[str, ...]] = {
     "single_doc_qa": ("narrativeqa", "qasper", "multifieldqa_en"),
     "multi_doc_qa": ("hotpotqa", "2wikimqa", "musique"),
     "summarization": ("gov_report", "qmsum", "multi_news"),
@@ -69,7 +83,29 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "synthetic": ("passage_count", "passage_retrieval_en"),
     "code": ("lcc", "repobench-p"),
 }
-ENGLISH_TASKS: tuple[str, ...] = tuple(t for tasks in GROUPS.values() for t in tasks)
+# The Chinese tasks, one per category of LongBench's Chinese table (whose code column is the same
+# two code tasks).
+CHINESE_GROUPS: dict[str, tuple[str, ...]] = {
+    "zh_single_doc_qa": ("multifieldqa_zh",),
+    "zh_multi_doc_qa": ("dureader",),
+    "zh_summarization": ("vcsum",),
+    "zh_few_shot": ("lsht",),
+    "zh_synthetic": ("passage_retrieval_zh",),
+}
+GROUPS: dict[str, tuple[str, ...]] = {**ENGLISH_GROUPS, **CHINESE_GROUPS}
+ENGLISH_TASKS: tuple[str, ...] = tuple(t for tasks in ENGLISH_GROUPS.values() for t in tasks)
+CHINESE_TASKS: tuple[str, ...] = tuple(t for tasks in CHINESE_GROUPS.values() for t in tasks)
+# All 21, in the official scripts' order.
+ALL_TASKS: tuple[str, ...] = (
+    *("narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh"),
+    *("hotpotqa", "2wikimqa", "musique", "dureader"),
+    *("gov_report", "qmsum", "multi_news", "vcsum"),
+    *("trec", "triviaqa", "samsum", "lsht"),
+    *("passage_count", "passage_retrieval_en", "passage_retrieval_zh"),
+    *("lcc", "repobench-p"),
+)
+# ``task.tasks=<name>`` for a whole language.
+TASK_SETS: dict[str, tuple[str, ...]] = {"en": ENGLISH_TASKS, "zh": CHINESE_TASKS, "all": ALL_TASKS}
 GROUP_OF: dict[str, str] = {t: g for g, tasks in GROUPS.items() for t in tasks}
 
 METRIC_OF: dict[str, str] = {
@@ -80,6 +116,10 @@ METRIC_OF: dict[str, str] = {
     "passage_count": "count",
     "passage_retrieval_en": "retrieval",
     **dict.fromkeys(("lcc", "repobench-p"), "code_sim"),
+    "multifieldqa_zh": "qa_f1_zh",
+    **dict.fromkeys(("dureader", "vcsum"), "rouge_zh"),
+    "lsht": "classification",
+    "passage_retrieval_zh": "retrieval_zh",
 }
 
 # Few-shot and code prompts go to the model as raw text: the official script skips the chat
@@ -96,9 +136,13 @@ HUB_ARCHIVE = "data.zip"
 
 @dataclass
 class LongBenchConfig(TaskConfig):
-    """``max_prompt_tokens`` is the official truncation budget (3500 for 4K-context models in
-    LongBench's own runs); ``limit_per_task`` keeps the first N samples of each task;
-    ``max_new_tokens_cap`` lowers the official generation lengths (null: the official ones)."""
+    """``tasks`` lists LongBench task names, or names a set (``en``: the 16 default tasks, ``zh``: the
+    5 Chinese ones, ``all``: all 21); ``max_prompt_tokens`` is the official truncation budget (3500 for
+    4K-context models in LongBench's own runs); ``limit_per_task`` keeps the first N samples of each
+    task; ``max_new_tokens_cap`` lowers the official generation lengths (null: the official ones);
+    ``code_sim_backend`` is the string matcher of lcc and repobench-p: ``levenshtein`` (default, the
+    official scorer with python-Levenshtein installed, and kvbench's scores from the start) or
+    ``difflib`` (the official scorer without it); see :mod:`kvbench.tasks.longbench_metrics`."""
 
     name: str = "longbench"
     version: int = 1
@@ -107,22 +151,33 @@ class LongBenchConfig(TaskConfig):
     max_prompt_tokens: int = 3500
     limit_per_task: int | None = None
     max_new_tokens_cap: int | None = None
+    code_sim_backend: str = "levenshtein"
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.tasks, str):  # task.tasks=hotpotqa names one task
-            self.tasks = [self.tasks]
+        if isinstance(self.tasks, str):  # task.tasks=hotpotqa names one task, task.tasks=zh a set
+            self.tasks = list(TASK_SETS.get(self.tasks, [self.tasks]))
         tasks = list(self.tasks) if isinstance(self.tasks, Sequence) else []
-        unknown = [t for t in tasks if t not in ENGLISH_TASKS]
+        unknown = [t for t in tasks if t not in ALL_TASKS]
         require(
             bool(tasks) and not unknown,
             "task.tasks",
             unknown or self.tasks,
-            f"LongBench v1 English tasks are {', '.join(ENGLISH_TASKS)}",
+            f"LongBench v1 tasks are {', '.join(ALL_TASKS)}; or one of en (the 16 English and code "
+            "tasks), zh (the 5 Chinese tasks), all",
         )
         require(len(set(tasks)) == len(tasks), "task.tasks", tasks, "no repeated tasks")
         self.tasks = tasks
+        chinese = [t for t in tasks if t in CHINESE_TASKS]
+        require(
+            not chinese or importlib.util.find_spec("jieba") is not None,
+            "task.tasks",
+            chinese,
+            "the Chinese tasks are scored on jieba's word segmentation, which is not installed "
+            "(pip install jieba)",
+        )
         check_choice("task.source", self.source, SOURCES)
+        check_choice("task.code_sim_backend", self.code_sim_backend, CODE_SIM_BACKENDS)
         require(
             is_int(self.max_prompt_tokens) and self.max_prompt_tokens >= 2,
             "task.max_prompt_tokens",
@@ -135,11 +190,18 @@ class LongBenchConfig(TaskConfig):
             require(ok, f"task.{key}", value, "a positive int or null")
 
 
-def load_protocol(data_root: Path) -> tuple[dict[str, str], dict[str, int]]:
-    """The official prompt templates and generation lengths from the data root."""
+def load_protocol(data_root: Path, tasks: Sequence[str] = ()) -> tuple[dict[str, str], dict[str, int]]:
+    """The official prompt templates and generation lengths from the data root; each of ``tasks``
+    must have both (a copy of the files older than the Chinese tasks would not)."""
     prompts = require_file(data_root, f"{CONFIG_DIR}/dataset2prompt.json", "LongBench prompt templates")
     lengths = require_file(data_root, f"{CONFIG_DIR}/dataset2maxlen.json", "LongBench generation lengths")
-    return read_json(prompts), read_json(lengths)
+    templates, max_lengths = read_json(prompts), read_json(lengths)
+    for path, table in ((prompts, templates), (lengths, max_lengths)):
+        missing = [t for t in tasks if t not in table]
+        if missing:
+            why = f"{path} has no entry for them; use LongBench's own file"
+            raise ConfigError("task.tasks", missing, why)
+    return templates, max_lengths
 
 
 def resolve_source(source: str, data_root: Path, tasks: Sequence[str]) -> str:
@@ -255,7 +317,7 @@ class LongBench(Task):
 
     def protocol(self) -> tuple[dict[str, str], dict[str, int]]:
         if self._protocol is None:
-            self._protocol = load_protocol(self.data_root)
+            self._protocol = load_protocol(self.data_root, self.config.tasks)
         return self._protocol
 
     def max_new_tokens(self, task: str) -> int:
@@ -309,6 +371,18 @@ class LongBench(Task):
         ids, chat = encode_prompt(tokenizer, task, prompt)
         return ids, truncated, chat
 
+    def score(self, sample: dict[str, Any], prediction: str) -> float:
+        """The sample's score in [0, 1] under its task's official metric."""
+        task = sample["longbench_task"]
+        return score_sample(
+            METRIC_OF[task],
+            task,
+            prediction,
+            sample["answers"],
+            sample["all_classes"],
+            code_sim_backend=self.config.code_sim_backend,
+        )
+
     def run(self, sample: dict[str, Any], runner) -> dict[str, Any]:
         task = sample["longbench_task"]
         input_ids, truncated, chat = self.build_input(sample, runner.tokenizer)
@@ -320,7 +394,7 @@ class LongBench(Task):
             gen = runner.generate(input_ids, max_new, stop_token_ids=(newline,), min_new_tokens=1)
         else:
             gen = runner.generate(input_ids, max_new)
-        score = score_sample(METRIC_OF[task], task, gen.text, sample["answers"], sample["all_classes"])
+        score = self.score(sample, gen.text)
         return {
             "prompt_tokens": int(input_ids.shape[1]),
             "prediction": gen.text,
@@ -342,12 +416,14 @@ class LongBench(Task):
 
     def aggregate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """Points (x100): ``score_<task>`` per task, ``group_<group>`` the mean of its tasks' scores,
-        ``score`` the mean of all task scores; ``n`` samples and ``n_<task>`` per task."""
+        ``score`` the mean of all task scores; ``n`` samples and ``n_<task>`` per task. With Chinese
+        tasks among them, also ``score_en`` (mean over the default 16 tasks scored), ``score_zh``
+        (mean over the Chinese tasks scored) and ``jieba_version``."""
         by_task: dict[str, list[float]] = {}
         for r in rows:
             if r.get("score") is not None:
                 by_task.setdefault(r["longbench_task"], []).append(r["score"])
-        task_scores = {t: 100 * _mean(by_task[t]) for t in ENGLISH_TASKS if t in by_task}
+        task_scores = {t: 100 * _mean(by_task[t]) for t in ALL_TASKS if t in by_task}
         out: dict[str, Any] = {
             "score": _mean(list(task_scores.values())) if task_scores else float("nan"),
             "n": sum(len(v) for v in by_task.values()),
@@ -355,7 +431,15 @@ class LongBench(Task):
             "tasks_scored": len(task_scores),
             "max_prompt_tokens": self.config.max_prompt_tokens,
             "max_new_tokens_cap": self.config.max_new_tokens_cap,
+            "code_sim_backend": self.config.code_sim_backend,
         }
+        if any(t in task_scores for t in CHINESE_TASKS):
+            # the segmentation, and so the Chinese scores, follow jieba's dictionary
+            out["jieba_version"] = importlib.metadata.version("jieba")
+            for key, tasks in (("score_en", ENGLISH_TASKS), ("score_zh", CHINESE_TASKS)):
+                present = [task_scores[t] for t in tasks if t in task_scores]
+                if present:
+                    out[key] = _mean(present)
         for group, tasks in GROUPS.items():
             present = [task_scores[t] for t in tasks if t in task_scores]
             if present:

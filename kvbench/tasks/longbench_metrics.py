@@ -1,15 +1,23 @@
 """LongBench v1 per-sample metrics, written from their definitions.
 
 LongBench (Bai et al., "LongBench: A Bilingual, Multitask Benchmark for Long Context
-Understanding", ACL 2024) scores each English task with one of six metrics. Every function here takes
-one prediction and one gold answer and returns a number in [0, 1]; :func:`score_sample` applies the
-task's post-processing and takes the maximum over the gold answers. Scores become points (x100) only
-at aggregation, as the papers report them.
+Understanding", ACL 2024) scores each of its 21 tasks with one of nine metrics (``METRIC_OF`` in
+:mod:`kvbench.tasks.longbench` routes them, as the official ``eval.py`` does). Every function here
+takes one prediction and one gold answer and returns a number in [0, 1]; :func:`score_sample` applies
+the task's post-processing and takes the maximum over the gold answers. Scores become points (x100)
+only at aggregation, as the papers report them.
 
 - ``qa_f1``: token-level F1 after answer normalization (lowercase; drop ASCII punctuation; replace the
   articles a/an/the by a space; collapse whitespace). With ``c`` the size of the multiset intersection
   of prediction tokens ``P`` and gold tokens ``G``: ``p = c/|P|``, ``r = c/|G|``,
   ``F1 = 2pr/(p+r)``, and 0 when ``c = 0``.
+- ``qa_f1_zh`` (multifieldqa_zh): the same F1, on words from jieba instead of whitespace. Each text is
+  segmented by jieba in accurate mode (``cut_all=False``, HMM on: LongBench's call); every word is
+  then lowercased and loses each whitespace character and each character of the Chinese scorer's
+  punctuation set (``ZH_PUNCTUATION``: ASCII punctuation plus the CJK, full-width and typographic marks
+  listed there); words left empty are dropped. No article rule. The set has gaps that are reproduced
+  on purpose: the opening book-title mark ``《`` (its closing ``》`` is in), ``〈 〉``, the full-width
+  full stop ``．`` and the middle dot ``·`` stay, so ``《红楼梦》`` leaves the word ``《`` behind.
 - ``rouge_l``: ROUGE-L F at summary level (Lin 2004, section 3.2), computed the way the ``rouge``
   package (1.0.1) that LongBench calls computes it, so the numbers match the papers':
 
@@ -27,29 +35,62 @@ at aggregation, as the papers report them.
     raises and LongBench catches it).
 
   One divergence: the package traces the LCS back recursively, so a sentence pair whose path is
-  longer than Python's recursion limit (~1000 words without a period) raises there and LongBench
+  longer than Python's recursion limit (about 1000 words between periods) raises there and LongBench
   scores 0; here it is scored normally.
-- ``classification``: the classes (``all_classes``) that occur as substrings of the prediction are
-  matched; matched classes that are proper substrings of the gold class are dropped (the gold class
-  covers them); the score is ``1/len(matched)`` if the gold class is among the matches, else 0.
-  LongBench drops them while walking the same list, so the match right after a dropped one is kept
-  unexamined; that is reproduced here (it only matters when two consecutive matches both sit inside
-  the gold class).
+- ``rouge_zh`` (dureader, vcsum): ``rouge_l`` on the jieba words of each text (accurate mode, as
+  above) joined by single spaces; nothing is normalized. Chinese sentences end in ``。``, not ``.``,
+  so a Chinese answer is usually one "sentence" to the package and the LCS runs over the whole word
+  sequence: the recursion divergence above is reachable on vcsum, where a 512-token summary against a
+  long reference can pass 1000 words (the official scorer would give such a pair 0).
+- ``classification`` (trec, lsht): the classes (``all_classes``) that occur as substrings of the
+  prediction are matched; matched classes that are proper substrings of the gold class are dropped
+  (the gold class covers them); the score is ``1/len(matched)`` if the gold class is among the
+  matches, else 0. LongBench drops them while walking the same list, so the match right after a
+  dropped one is kept unexamined; that is reproduced here (it only matters when two consecutive
+  matches both sit inside the gold class).
 - ``retrieval`` (passage_retrieval_en): the gold is "Paragraph N"; the score is the fraction of the
   integers in the prediction that equal N (0 when it has none).
+- ``retrieval_zh`` (passage_retrieval_zh): the same with the gold "段落N". Integers are runs of
+  Unicode digits compared as text, so a full-width "１２" is an integer that never equals "12".
 - ``count`` (passage_count): the fraction of the integers in the prediction equal to the gold count.
 - ``code_sim`` (lcc, repobench-p): the prediction's first line (after leading newlines) that holds no
-  ``#``, ``//`` or backtick, compared with the gold line by fuzzywuzzy's ``ratio``: equal strings
-  score 1, an empty string against a non-empty one 0, otherwise ``round(100 * 2L/(|a|+|b|)) / 100``
-  where ``L`` is the longest common character subsequence (``|a|+|b|-2L`` is the insert/delete
-  edit distance, so this is python-Levenshtein's ``ratio``) and ``round`` is Python's
-  half-to-even rounding, as fuzzywuzzy's ``intr`` does.
+  ``#``, ``//`` or backtick, compared with the gold line by fuzzywuzzy's ``fuzz.ratio(prediction,
+  gold)``: equal strings score 1, an empty string against a non-empty one 0, otherwise
+  ``round(100 * s) / 100`` with Python's half-to-even ``round`` (fuzzywuzzy's ``intr``) and ``s`` the
+  similarity of the string matcher fuzzywuzzy finds installed. The official scorer therefore gives
+  different numbers on different machines; ``backend`` (``task.code_sim_backend``) names which one:
+
+  * ``levenshtein`` (the default; what fuzzywuzzy computes when python-Levenshtein is installed):
+    ``s = 2L/(|a|+|b|)`` with ``L`` the longest common character subsequence (``|a|+|b|-2L`` is the
+    insert/delete edit distance, so this is python-Levenshtein's ``ratio``). ``100 * s`` is computed
+    as ``200L/(|a|+|b|)`` before rounding. It is the default because it is a property of the two
+    strings alone (symmetric, no heuristics), fuzzywuzzy recommends that install, and kvbench's
+    LongBench scores have always used it. One known difference: when ``100 * s`` is exactly a half
+    (``|a|+|b| = 80`` and ``L = 23``: 57.5), recent python-Levenshtein releases compute
+    ``s = 1 - d/(|a|+|b|)`` in floating point, which lands a hair off the half and rounds either way
+    (57 there, 58 here); such pairs are rare and move one sample by 0.01.
+  * ``difflib`` (what fuzzywuzzy computes without python-Levenshtein, as in an environment built
+    from ``pip install fuzzywuzzy rouge jieba`` alone): ``s`` is ``difflib.SequenceMatcher(None,
+    prediction, gold).ratio()``, ``2M/(|a|+|b|)`` with ``M`` the characters in Ratcliff-Obershelp
+    matching blocks: the longest common block first, then recursively left and right of it. ``M``
+    never exceeds ``L`` and falls short of it when the longest block crosses a better alignment
+    ("aba" against "bca": M = 1, L = 2); it depends on the argument order; and for a gold line of
+    200 characters or more, difflib's autojunk rule keeps every character that occurs in it more
+    than ``len(gold) // 100 + 1`` times (spaces in indented code, for one) out of the block search:
+    such characters join a block only by extending one found from other characters, which can drop
+    the score to 0 ("x" + 199 "a" against 200 "a": 0, where the LCS ratio gives 100). KIVI's
+    published environment file lists fuzzywuzzy 0.18.0 and no python-Levenshtein, so its lcc and
+    repobench-p numbers are this backend's.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
+import logging
 import re
 import string
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -57,6 +98,34 @@ _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _INTEGER = re.compile(r"\d+")
 _PARAGRAPH = re.compile(r"Paragraph (\d+)")
+_PARAGRAPH_ZH = re.compile(r"段落(\d+)")
+
+
+def _chars(*spans: tuple[int, int]) -> str:
+    return "".join(chr(c) for lo, hi in spans for c in range(lo, hi + 1))
+
+
+# The Chinese scorer's punctuation: ASCII punctuation and these marks (inclusive code-point spans).
+ZH_PUNCTUATION = frozenset(
+    string.punctuation
+    + _chars(
+        (0x2013, 0x2014),  # en and em dash
+        (0x2018, 0x2019),  # single quotation marks
+        (0x201B, 0x201F),  # reversed single, double and low quotation marks
+        (0x2026, 0x2027),  # ellipsis, hyphenation point
+        (0x3001, 0x3003),  # ideographic comma and full stop, ditto mark
+        (0x300B, 0x3011),  # closing book-title mark (not the opening one), corner, lenticular brackets
+        (0x3014, 0x301F),  # tortoise-shell and white brackets, wave dash, double prime quotation marks
+        (0x3030, 0x3030),  # wavy dash
+        (0x303E, 0x303F),  # ideographic variation indicator, half-fill space
+        (0xFE4F, 0xFE4F),  # wavy low line
+        (0xFF01, 0xFF0D),  # full-width ! " # $ % & ' ( ) * + , -  (not the full stop U+FF0E)
+        (0xFF0F, 0xFF0F),  # full-width /
+        (0xFF1A, 0xFF20),  # full-width : ; < = > ? @
+        (0xFF3B, 0xFF40),  # full-width [ \ ] ^ _ `
+        (0xFF5B, 0xFF64),  # full-width { | } ~, white parentheses, half-width CJK marks
+    )
+)
 
 
 def normalize_answer(text: str) -> str:
@@ -65,6 +134,30 @@ def normalize_answer(text: str) -> str:
     text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
     text = _ARTICLES.sub(" ", text)
     return " ".join(text.split())
+
+
+def normalize_zh_word(word: str) -> str:
+    """The Chinese scorer's normalization of one word: lowercase, then drop ``ZH_PUNCTUATION`` and
+    every whitespace character."""
+    return "".join(ch for ch in word.lower() if ch not in ZH_PUNCTUATION and not ch.isspace())
+
+
+@functools.cache
+def _jieba():
+    """jieba, imported and quietened on first use: English-only runs never load its dictionary."""
+    with warnings.catch_warnings():
+        # jieba 0.42.1 tries pkg_resources first, which older setuptools releases flag as deprecated
+        warnings.filterwarnings("ignore", message=".*pkg_resources")
+        import jieba
+
+    jieba.setLogLevel(logging.WARNING)  # its "Building prefix dict" lines would land in every run's log
+    jieba.initialize()
+    return jieba
+
+
+def jieba_words(text: str) -> list[str]:
+    """jieba's accurate-mode segmentation (``cut_all=False``, HMM on), whitespace words included."""
+    return list(_jieba().cut(text, cut_all=False))
 
 
 def token_f1(prediction: Sequence[str], gold: Sequence[str]) -> float:
@@ -78,6 +171,15 @@ def token_f1(prediction: Sequence[str], gold: Sequence[str]) -> float:
 
 def qa_f1(prediction: str, gold: str, **_) -> float:
     return token_f1(normalize_answer(prediction).split(), normalize_answer(gold).split())
+
+
+def qa_f1_zh(prediction: str, gold: str, **_) -> float:
+    """multifieldqa_zh: F1 over normalized jieba words, empty words dropped."""
+
+    def words(text: str) -> list[str]:
+        return [w for w in map(normalize_zh_word, jieba_words(text)) if w]
+
+    return token_f1(words(prediction), words(gold))
 
 
 def _sentences(text: str) -> list[list[str]]:
@@ -122,6 +224,11 @@ def rouge_l(prediction: str, gold: str, **_) -> float:
     return 2.0 * precision * recall / (precision + recall + 1e-8)
 
 
+def rouge_zh(prediction: str, gold: str, **_) -> float:
+    """dureader, vcsum: :func:`rouge_l` over jieba words joined by spaces."""
+    return rouge_l(" ".join(jieba_words(prediction)), " ".join(jieba_words(gold)))
+
+
 def classification(prediction: str, gold: str, all_classes: Sequence[str] = (), **_) -> float:
     """TREC class score with LongBench's substring rule (see the module docstring)."""
     matched = [c for c in all_classes if c in prediction]
@@ -148,6 +255,11 @@ def retrieval(prediction: str, gold: str, **_) -> float:
     return _fraction_equal(prediction, _PARAGRAPH.findall(gold)[0])
 
 
+def retrieval_zh(prediction: str, gold: str, **_) -> float:
+    """passage_retrieval_zh: fraction of the prediction's integers naming the gold paragraph ("段落N")."""
+    return _fraction_equal(prediction, _PARAGRAPH_ZH.findall(gold)[0])
+
+
 def count(prediction: str, gold: str, **_) -> float:
     """passage_count: fraction of the prediction's integers equal to the gold count."""
     return _fraction_equal(prediction, str(gold))
@@ -166,13 +278,21 @@ def lcs_length(a: str, b: str) -> int:
     return prev[-1]
 
 
-def fuzz_ratio(a: str, b: str) -> int:
-    """fuzzywuzzy ``fuzz.ratio`` with python-Levenshtein: an integer in 0..100."""
+CODE_SIM_BACKENDS = ("levenshtein", "difflib")
+
+
+def fuzz_ratio(a: str, b: str, backend: str = "levenshtein") -> int:
+    """fuzzywuzzy ``fuzz.ratio(a, b)``, an integer in 0..100, with python-Levenshtein installed
+    (``levenshtein``) or without it (``difflib``); see the module docstring."""
     if a == b:
         return 100
     if not a or not b:
         return 0
-    return int(round(100 * 2 * lcs_length(a, b) / (len(a) + len(b))))
+    if backend == "levenshtein":
+        return int(round(100 * 2 * lcs_length(a, b) / (len(a) + len(b))))
+    if backend == "difflib":
+        return int(round(100 * difflib.SequenceMatcher(None, a, b).ratio()))
+    raise ValueError(f"code_sim backend {backend!r}: allowed {', '.join(CODE_SIM_BACKENDS)}")
 
 
 def first_code_line(prediction: str) -> str:
@@ -183,15 +303,18 @@ def first_code_line(prediction: str) -> str:
     return ""
 
 
-def code_sim(prediction: str, gold: str, **_) -> float:
-    return fuzz_ratio(first_code_line(prediction), gold) / 100
+def code_sim(prediction: str, gold: str, code_sim_backend: str = "levenshtein", **_) -> float:
+    return fuzz_ratio(first_code_line(prediction), gold, code_sim_backend) / 100
 
 
 METRICS: dict[str, Callable[..., float]] = {
     "qa_f1": qa_f1,
+    "qa_f1_zh": qa_f1_zh,
     "rouge_l": rouge_l,
+    "rouge_zh": rouge_zh,
     "classification": classification,
     "retrieval": retrieval,
+    "retrieval_zh": retrieval_zh,
     "count": count,
     "code_sim": code_sim,
 }
@@ -211,9 +334,11 @@ def score_sample(
     prediction: str,
     answers: Sequence[str],
     all_classes: Sequence[str] | None = None,
+    code_sim_backend: str = "levenshtein",
 ) -> float:
     """The sample's score in [0, 1]: the task's post-processing, then the best over gold answers."""
     if task in FIRST_LINE_TASKS:
         prediction = first_line(prediction)
     fn = METRICS[metric]
-    return max((fn(prediction, gold, all_classes=all_classes or ()) for gold in answers), default=0.0)
+    options = {"all_classes": all_classes or (), "code_sim_backend": code_sim_backend}
+    return max((fn(prediction, gold, **options) for gold in answers), default=0.0)
