@@ -38,14 +38,16 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 
 def to_plain(node: Any) -> Any:
-    """OmegaConf node -> plain Python containers (identity for plain data)."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
+    """OmegaConf nodes -> plain Python containers, also where they sit inside a plain dict or list
+    (``dict(cfg)`` of a DictConfig keeps ListConfig values); plain data comes back equal."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
 
-        if isinstance(node, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(node, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf ships with hydra
-        pass
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    if isinstance(node, dict):
+        return {k: to_plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [to_plain(v) for v in node]
     return node
 
 

@@ -149,3 +149,11 @@ def test_what_the_dataclass_declares_is_never_rejected():
     assert build_config(Unresolved, {"later": "soon", "count": "3"}, "u").count == "3"
     with pytest.raises(ConfigError, match=r"^u.nope=1: unknown key"):
         build_config(Unresolved, {"nope": 1}, "u")
+
+
+def test_omegaconf_values_inside_a_plain_dict_are_read_as_plain_data():
+    from omegaconf import OmegaConf
+
+    node = dict(OmegaConf.create({"name": "x", "depths": [10, 20], "output": {"root": "r"}}))
+    cfg = build_config(Node, node, "node")
+    assert cfg.depths == [10, 20] and type(cfg.depths) is list and cfg.output == {"root": "r"}
