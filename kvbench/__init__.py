@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 __version__ = "0.1.0"
 
-# Hydra's run and sweep folders (conf/config.yaml) end in ${kvbench.pid:} after a microsecond
+# Hydra's run and sweep folders (kvbench/conf/config.yaml) end in ${kvbench.pid:} after a microsecond
 # timestamp, so two processes started at the same moment never share one. Registered here because
 # every process that resolves a kvbench config imports kvbench first (a submitit job included);
 # cached, so every job of a sweep resolves the sweep folder of the process that launched it.

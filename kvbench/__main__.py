@@ -30,10 +30,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench import paths
 from kvbench.config import unknown_key
 from kvbench.errors import ConfigError
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(paths.CONF_DIR)
 CHECKED_GROUPS = ("model", "task", "method", "experiment")
 # Groups whose choices must also be registered in code (a node alone does not make a method run).
 REGISTERED_GROUPS = ("task", "method")

@@ -1,14 +1,32 @@
 """Building validated config dataclasses from Hydra nodes.
 
-Every config node (model, task, method) is a dataclass whose ``__post_init__`` validates it. Hydra
-composes plain mappings; :func:`build_config` turns one into its dataclass, rejecting unknown keys
-with an error that names the key and lists the allowed ones.
+Every config node (model, task, method, the run's own knobs) is a dataclass. :func:`build_config`
+checks a composed node against it as an OmegaConf structured config first: the declared field
+types, unknown keys and required keys (fields without a default) are OmegaConf's checks, and its
+error becomes one :class:`ConfigError` line naming the key, the value and what the field takes.
+Rules that span fields or need a range stay in the dataclass's ``__post_init__``.
+
+Where a dataclass annotation is wider than OmegaConf can type (a union such as ``int | float`` or
+``str | list[str]``, ``Any``, a bare class that is not a dataclass), the field is checked as
+``Any`` and left to ``__post_init__``.
+
+The check is strict where OmegaConf would convert: a string is not an int, a float or a bool
+(``'4'``, ``yes``), and a bool is not a number or a string; an int is a float (Python's numeric
+tower), and a number is a string (Hydra reads ``task.pg19_book=10146`` as an int; the config
+decides what to make of it). Values are then handed to the dataclass exactly as given, so a
+config that was accepted before builds the same object (a NIAH depth written ``50`` stays the int
+50). One value where a list is declared is checked as a one-element list and handed on as given:
+the config decides whether one name stands for a list (``task.tasks=hotpotqa``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import re
+import types
+import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -20,26 +38,263 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 
 def to_plain(node: Any) -> Any:
-    """OmegaConf node -> plain Python containers (identity for plain data)."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
+    """OmegaConf nodes -> plain Python containers, also where they sit inside a plain dict or list
+    (``dict(cfg)`` of a DictConfig keeps ListConfig values); plain data comes back equal."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
 
-        if isinstance(node, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(node, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf ships with hydra
-        pass
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    if isinstance(node, dict):
+        return {k: to_plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [to_plain(v) for v in node]
     return node
 
 
 def build_config(cls: type[C], node: Mapping[str, Any] | None, prefix: str) -> C:
-    """``cls(**node)`` with unknown keys reported as ``prefix.key``."""
+    """``cls(**node)``, the node first checked against ``cls`` as a structured config; any error is
+    a ConfigError under ``prefix.key``."""
     data = dict(to_plain(node) or {})
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(key, data[unknown[0]], unknown_key(unknown[0], names))
-    return cls(**data)
+    return cls(**checked(cls, data, prefix))
+
+
+class _Missing:
+    """The value shown for a required key that is absent (OmegaConf writes it ``???``)."""
+
+    def __repr__(self) -> str:
+        return "???"
+
+
+MISSING_VALUE = _Missing()
+PRIMITIVES = (int, float, bool, str)
+
+
+def checked(cls: type, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``data`` checked against dataclass ``cls`` with OmegaConf (declared types, unknown keys,
+    required keys), then for the exact primitive types; returned unchanged."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    hints = field_types(cls)
+    given = {k: _as_listed(v, hints.get(k)) for k, v in data.items()}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema(cls)), given)
+        OmegaConf.to_container(merged, throw_on_missing=True)
+    except MissingMandatoryValue as err:
+        key, needed = _join(prefix, str(err.full_key)), describe(_hint_at(cls, err.full_key))
+        raise ConfigError(key, MISSING_VALUE, f"required; give {needed}") from None
+    except OmegaConfBaseException as err:
+        raise _config_error(err, cls, given, prefix) from None
+    for key, value in given.items():
+        _check_exact(value, hints.get(key), _join(prefix, key))
+    return data
+
+
+def _check_exact(value: Any, hint: Any, key: str) -> None:
+    """Reject the conversions OmegaConf would make between primitives (``'4'`` -> 4, ``yes`` ->
+    True, True -> 1); walks lists, mappings and nested dataclasses."""
+    if value is None or hint is None:
+        return
+    hint = _strip_optional(hint)
+    wanted = {int: (int,), float: (int, float), bool: (bool,), str: (str, int, float)}.get(hint)
+    if wanted is not None:
+        if not isinstance(value, wanted) or (hint is not bool and isinstance(value, bool)):
+            raise ConfigError(key, value, describe(hint))
+    elif dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+        types_ = field_types(hint)
+        for k, v in value.items():
+            _check_exact(_as_listed(v, types_.get(k)), types_.get(k), f"{key}.{k}")
+    elif typing.get_origin(hint) is list and isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_exact(v, typing.get_args(hint)[0], f"{key}[{i}]")
+    elif typing.get_origin(hint) is dict and isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_exact(v, typing.get_args(hint)[1], f"{key}.{k}")
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _config_error(err, cls: type, given: dict[str, Any], prefix: str) -> ConfigError:
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    path = str(getattr(err, "full_key", None) or "")
+    value = _value_at(given, path)
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(
+        getattr(err, "object_type", None)
+    ):
+        leaf = path.rpartition(".")[2]
+        known = [f.name for f in dataclasses.fields(err.object_type) if f.init]
+        return ConfigError(_join(prefix, path), value, unknown_key(leaf, known))
+    hint = _hint_at(cls, path)
+    if value is None and hint is not None:
+        return ConfigError(_join(prefix, path), value, f"not null: {describe(hint)}")
+    if hint is not None:
+        return ConfigError(_join(prefix, path), value, describe(hint))
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ConfigError(_join(prefix, path) or prefix or "config", value, first)
+
+
+def _value_at(data: Any, path: str) -> Any:
+    """The value at an OmegaConf key path (``a.b[2]``) in plain data; ``???`` where there is none."""
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        if part.startswith("[") and isinstance(data, list) and int(part[1:-1]) < len(data):
+            data = data[int(part[1:-1])]
+        elif isinstance(data, Mapping) and part in data:
+            data = data[part]
+        else:
+            return MISSING_VALUE
+    return data
+
+
+def _hint_at(cls: type, path: Any) -> Any:
+    """The declared type at an OmegaConf key path inside dataclass ``cls`` (None if unknown)."""
+    hint: Any = cls
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", str(path or "")):
+        hint = _strip_optional(hint)
+        if dataclasses.is_dataclass(hint) and not part.startswith("["):
+            hint = field_types(hint).get(part)
+        elif typing.get_origin(hint) in (list, dict) and typing.get_args(hint):
+            hint = typing.get_args(hint)[-1]
+        else:
+            return None
+    return hint
+
+
+def _strip_optional(hint: Any) -> Any:
+    args = typing.get_args(hint)
+    if _is_union(hint) and type(None) in args and len(args) == 2:
+        return next(a for a in args if a is not type(None))
+    return hint
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def describe(hint: Any) -> str:
+    """What a declared type takes, in words."""
+    optional = _is_union(hint) and type(None) in typing.get_args(hint)
+    hint = _strip_optional(hint)
+    words = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
+    origin = typing.get_origin(hint)
+    if hint in words:
+        text = words[hint]
+    elif origin is list or hint is list:
+        args = typing.get_args(hint)
+        inner = describe(args[0]) if args else ""
+        text = "a list" + (f" ({inner.split(' ', 1)[-1]} each)" if inner and args[0] is not Any else "")
+    elif origin is dict or hint is dict or dataclasses.is_dataclass(hint):
+        text = "a mapping of keys to values"
+    else:
+        text = "a value"
+    return f"{text}, or null" if optional else text
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """The annotation of every init field of dataclass ``cls`` as the check uses it: ``Any`` where
+    the annotation does not resolve, or where the field's own default does not fit it (the check
+    must never reject what the dataclass itself declares)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a name only imported for type checkers: leave every field to __post_init__
+        hints = {}
+    types_ = {}
+    for f in dataclasses.fields(cls):
+        if f.init:
+            hint = hints.get(f.name, Any)
+            types_[f.name] = hint if _default_fits(f, omegaconf_type(hint)) else Any
+    return types_
+
+
+def _default_fits(f: dataclasses.Field, typed: Any) -> bool:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if typed is Any:
+        return True
+    try:
+        OmegaConf.structured(dataclasses.make_dataclass("Probe", [(f.name, typed, _schema_field(f))]))
+    except OmegaConfBaseException:
+        return False
+    return True
+
+
+def omegaconf_type(hint: Any) -> Any:
+    """``hint`` as OmegaConf can type it, else ``Any`` (checked by ``__post_init__`` instead)."""
+    if hint in PRIMITIVES or hint is Any:
+        return hint
+    if dataclasses.is_dataclass(hint):
+        return schema(hint)
+    if _is_union(hint):
+        inner = _strip_optional(hint)
+        if inner is hint:  # a union other than X | None
+            return Any
+        typed = omegaconf_type(inner)
+        return Any if typed is Any else typing.Optional[typed]  # noqa: UP045 - OmegaConf reads Optional
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is list or (origin is list and not args):
+        return list[Any]
+    if hint is dict or (origin is dict and not args):
+        return dict[str, Any]
+    if origin is list and len(args) == 1:
+        inner = omegaconf_type(args[0])
+        return list[inner]
+    if origin is dict and len(args) == 2 and args[0] is str:
+        return dict[str, omegaconf_type(args[1])]
+    return Any
+
+
+@functools.cache
+def schema(cls: type) -> type:
+    """A dataclass with ``cls``'s init fields and defaults, typed as OmegaConf can check them, and
+    without ``__post_init__`` (cross-field rules run once, on the real class)."""
+    types_ = field_types(cls)
+    fields = [
+        (f.name, omegaconf_type(types_[f.name]), _schema_field(f)) for f in dataclasses.fields(cls) if f.init
+    ]
+    return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
+
+
+def _schema_field(f: dataclasses.Field) -> Any:
+    """A schema field with ``f``'s default (OmegaConf's ``???`` where it has none)."""
+    from omegaconf import MISSING
+
+    if f.default is not dataclasses.MISSING:
+        return dataclasses.field(default=_schema_default(f.default))
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=functools.partial(_made, f.default_factory))
+    return dataclasses.field(default=MISSING)
+
+
+def _made(factory):
+    return _schema_default(factory())
+
+
+def _schema_default(value: Any) -> Any:
+    """A default as OmegaConf stores it: a tuple becomes a list, a dataclass instance an instance of
+    its schema."""
+    if isinstance(value, tuple):
+        return [_schema_default(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = [f for f in dataclasses.fields(value) if f.init]
+        values = {f.name: _schema_default(getattr(value, f.name)) for f in fields}
+        return schema(type(value))(**values)
+    return value
+
+
+def _is_list_type(hint: Any) -> bool:
+    hint = _strip_optional(hint)
+    return hint is list or typing.get_origin(hint) is list
+
+
+def _as_listed(value: Any, hint: Any) -> Any:
+    """One value where a list is declared, as a one-element list to check."""
+    if _is_list_type(omegaconf_type(hint)) and value is not None and not isinstance(value, (list, tuple)):
+        return [value]
+    return value
 
 
 def unknown_key(name: str, known) -> str:

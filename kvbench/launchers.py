@@ -16,7 +16,7 @@ submission, and change what happens around a point:
 - Slurm job states come from ``squeue``, which needs no accounting, so no ``sacct`` is called.
 
 :func:`register` puts them under the plugin's own names (``hydra/launcher=submitit_local`` and
-``submitit_slurm``; ``conf/hydra/launcher/slurm*.yaml`` build on the latter).
+``submitit_slurm``; ``kvbench/conf/hydra/launcher/slurm*.yaml`` build on the latter).
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ import math
 import netrc
 import os
 import socket
-import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,9 +235,9 @@ class WandbLogger:
         """Finish the run and wait until wandb has written all of it.
 
         ``run.finish()`` returns while wandb's service process may still be writing the run's record
-        log; under load a reader (``wandb sync``, :func:`read_offline_run`, a test) then finds the
-        summary missing. ``wandb.teardown()`` waits for the service to flush and exit. It costs a
-        service start (about a second) at the next run, which kvbench starts once per finished run.
+        log; under load a reader (``wandb sync`` right after the run) then finds the summary
+        missing. ``wandb.teardown()`` waits for the service to flush and exit. It costs a service
+        start (about a second) at the next run, which kvbench starts once per finished run.
         """
         if self.run is not None:
             self._guard("finish", self.run.finish)
@@ -274,60 +273,3 @@ def log_report(result: dict[str, Any], node: dict[str, Any] | None = None) -> No
     logger.start({"report_dir": str(result["out"])}, name=f"report/{result['out']}", job_type="report")
     logger.log_report(result)
     logger.finish()
-
-
-# ---------------------------------------------------------------------- reading offline runs
-
-_BLOCK = 32768  # the record log's block size (LevelDB log format)
-_HEADER = 7  # per-record header: crc32c (4), length (2), type (1); the file starts with a 7-byte magic
-
-
-def read_offline_run(run_dir: str | Path) -> dict[str, Any]:
-    """What an offline wandb run folder holds: ``{"config": {...}, "history": [{...}, ...],
-    "summary": {...}}`` with JSON-decoded values, read from its ``run-*.wandb`` record log.
-
-    The log is LevelDB's format (32 KiB blocks; records split FIRST/MIDDLE/LAST across blocks)
-    after a 7-byte ``:W&B`` header; each record is a ``wandb_internal_pb2.Record`` protobuf.
-    """
-    import json
-
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    [path] = Path(run_dir).glob("run-*.wandb")
-    data = path.read_bytes()
-    if data[:4] != b":W&B":
-        raise ValueError(f"{path}: not a wandb record log")
-    payloads, buf, pos = [], b"", _HEADER
-    while pos + _HEADER <= len(data):
-        left = _BLOCK - pos % _BLOCK
-        if left < _HEADER:  # block trailer padding
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
-        pos += _HEADER
-        if kind == 0 and length == 0:  # zero padding up to the block end
-            pos += left - _HEADER
-            continue
-        buf += data[pos : pos + length]
-        pos += length
-        if kind in (1, 4):  # FULL or LAST
-            payloads.append(buf)
-            buf = b""
-
-    def key_of(item) -> str:
-        return "/".join(item.nested_key) if item.nested_key else item.key
-
-    out: dict[str, Any] = {"config": {}, "history": [], "summary": {}}
-    for payload in payloads:
-        record = pb.Record()
-        record.ParseFromString(payload)
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            out["config"].update({u.key: json.loads(u.value_json) for u in record.run.config.update})
-        elif kind == "config":
-            out["config"].update({u.key: json.loads(u.value_json) for u in record.config.update})
-        elif kind == "history":
-            out["history"].append({key_of(i): json.loads(i.value_json) for i in record.history.item})
-        elif kind == "summary":
-            out["summary"].update({key_of(u): json.loads(u.value_json) for u in record.summary.update})
-    return out

@@ -31,6 +31,11 @@ and without a model, each experiment's report under ``results/<experiment>/`` an
 verdicts ``results/claims/<model>.md``; ``--claims`` computes and prints the verdicts only
 (``kvbench.analysis.claims``). Both read run folders instead with ``--runs DIR``: the outputs are the
 same bytes either way.
+
+``--results`` defaults to the checkout's ``results/`` when kvbench runs from a source checkout, and
+to ``./results`` otherwise (an installed package: point ``--results`` at a checkout's ``results/``
+to read its committed archives and claims); ``--claims-file`` defaults to ``RESULTS/claims.yaml``.
+The rule lives in :mod:`kvbench.paths`.
 """
 
 from __future__ import annotations
@@ -50,11 +55,12 @@ import pandas as pd  # noqa: E402
 from kvbench.analysis import figures, tables  # noqa: E402
 from kvbench.analysis.frame import groups, load_frame  # noqa: E402
 from kvbench.analysis.units import analyze  # noqa: E402
+from kvbench.paths import CONF_DIR, default_results  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_RESULTS = REPO / "results"
+# The checkout's results/ when run from a checkout, else ./results (the rule: kvbench.paths).
+DEFAULT_RESULTS = default_results()
 DEFAULT_CLAIMS = DEFAULT_RESULTS / "claims.yaml"
-CONF = REPO / "conf"
+CONF = CONF_DIR
 
 
 class ReportError(Exception):
@@ -447,9 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--paper", action="append", help="write RESULTS/papers/<paper>_<model>.md: published beside measured"
     )
-    parser.add_argument(
-        "--claims-file", default=str(DEFAULT_CLAIMS), help="claims YAML (default: %(default)s)"
-    )
+    parser.add_argument("--claims-file", help="claims YAML (default: RESULTS/claims.yaml)")
     parser.add_argument(
         "--archive",
         metavar="RUNS",
@@ -472,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     results = Path(args.results)
+    if args.claims_file is None:
+        args.claims_file = str(results / "claims.yaml")
     try:
         if args.resamples < 1:
             raise ReportError(f"--resamples={args.resamples}: must be a positive integer")

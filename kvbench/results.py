@@ -11,7 +11,6 @@ again. Temporary files of a write that was killed are removed by the next run of
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import math
@@ -21,6 +20,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock, Timeout
 
 from kvbench.config import is_int, is_number, require
 
@@ -110,20 +111,20 @@ class RunFolder:
     @contextlib.contextmanager
     def lock(self):
         """Exclusive use of this folder by one process (an advisory ``flock`` on ``.lock``, freed by
-        the kernel if the process dies). A second process with the same config blocks until the
+        the kernel if the process dies; ``filelock``). A second process with the same config blocks until the
         first is done, so two writers never append the same sample twice. Whoever holds the lock
         removes the temporary files of writes that a killed process left behind."""
-        with open(self.path / ".lock", "a") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                print(f"kvbench: {self.path} is in use by another process; waiting for it", file=sys.stderr)
-                fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                self.remove_orphans()
-                yield self
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        lock = FileLock(self.path / ".lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            print(f"kvbench: {self.path} is in use by another process; waiting for it", file=sys.stderr)
+            lock.acquire()
+        try:
+            self.remove_orphans()
+            yield self
+        finally:
+            lock.release()
 
     def discard_if_unused(self, stop_at: Path) -> bool:
         """Remove this folder when it holds no result (no sample row, no metrics), then its parents
@@ -216,7 +217,7 @@ class RunFolder:
 
 @dataclass
 class AnalysisPlan:
-    """An experiment's pre-declared analysis (the ``analysis:`` block of ``conf/experiment/*.yaml``).
+    """An experiment's pre-declared analysis (the ``analysis:`` block of ``kvbench/conf/experiment/*.yaml``).
 
     ``reference`` is the method label of the reference runs; ``metric`` the per-sample column the
     comparison reads; ``alpha`` the significance level of every test; ``margin`` the TOST equivalence

@@ -99,7 +99,7 @@ def smollm2_conversion(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Con
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVBENCH_CACHE_DIR", str(cache_dir))
-        mp.setattr(models, "load_gguf_model", capturing_load)
+        mp.setattr(models.gguf, "load_gguf_model", capturing_load)
         cfg = models.ModelConfig(**SMOLLM2)
         started = time.perf_counter()
         model, tokenizer = models.load_model(cfg)

@@ -125,7 +125,7 @@ CASES = [
     (["seed=abc"], "seed", "an int"),
     (["seed=-1"], "seed", "an int in 0.."),
     (["seed=1.5"], "seed", "an int"),
-    (["bits=abc"], "bits", "a positive number"),
+    (["bits=abc"], "bits", "a number"),
     (["bits=[1"], "bits", "override syntax"),
     (["bit=2"], "bit", "did you mean bits?"),
     (["+bit=2"], "bit", "did you mean bits?"),
@@ -165,6 +165,12 @@ CASES = [
         "sweep point +method=uniform",
     ),
     (["method.group_size=32"], "method.group_size", "choose one first with +method=NAME"),
+    # the declared field types, checked by OmegaConf against each node's dataclass
+    (["+method=kivi", "method.group_size=abc"], "method.group_size", "an int"),
+    (["+method=kivi", "method.zero_point=[1]"], "method.zero_point", "a string"),
+    (["+method=kvquant", "method.pre_rope=maybe"], "method.pre_rope", "true or false"),
+    (["task.depths=[a]"], "task.depths[0]", "a number"),
+    (["~model.name"], "model.name", "required; give a string"),
 ]
 if not torch.cuda.is_available():
     CASES.append((["device=cuda"], "device", "auto or cpu"))

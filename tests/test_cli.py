@@ -8,7 +8,7 @@ import pytest
 
 from kvbench.methods import METHODS
 
-CONF = os.path.join(os.path.dirname(__file__), "..", "conf")
+CONF = os.path.join(os.path.dirname(__file__), "..", "kvbench", "conf")
 
 
 def nodes(group):

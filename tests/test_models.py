@@ -107,7 +107,7 @@ def test_stale_manifest_triggers_atomic_reconversion(smollm2_conversion, monkeyp
         json.dumps({"format": models.CONVERSION_FORMAT, "gguf_sha256": "0" * 64})
     )
     # Reuse the session's GGUF-loaded model instead of paying another 30 s GGUF read.
-    monkeypatch.setattr(models, "load_gguf_model", lambda gguf: (conv.gguf_model, conv.gguf_tokenizer))
+    monkeypatch.setattr(models.gguf, "load_gguf_model", lambda gguf: (conv.gguf_model, conv.gguf_tokenizer))
     folder = ensure_converted(ModelConfig(**GGUF))
     assert folder == stale
     assert not (folder / "leftover.bin").exists()
@@ -175,7 +175,9 @@ def test_unknown_model_key_is_named():
     assert info.value.key == "model.dtyp"
 
 
-@pytest.mark.parametrize("node", sorted((REPO_ROOT / "conf" / "model").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "node", sorted((REPO_ROOT / "kvbench" / "conf" / "model").glob("*.yaml")), ids=lambda p: p.stem
+)
 def test_config_nodes_validate(node):
     assert node.read_text().startswith("# @package model")
     cfg = build_config(ModelConfig, OmegaConf.to_container(OmegaConf.load(node)), "model")

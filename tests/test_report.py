@@ -1,5 +1,6 @@
 import sys
 import types
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -73,3 +74,20 @@ def test_bad_dir_is_one_line_exit_2(tmp_path, capsys, kind):
         kind
     ]
     assert expected in err[0]
+
+
+def test_results_folder_rule(tmp_path, capsys, monkeypatch):
+    """From a checkout the committed results/ is the default wherever the command runs; the claims
+    file follows --results, so an installed kvbench pointed at a checkout's results/ reads its claims."""
+    from kvbench import paths
+
+    repo = Path(__file__).resolve().parent.parent
+    assert paths.source_checkout() == repo
+    assert report.DEFAULT_RESULTS == repo / "results" and report.DEFAULT_CLAIMS.is_file()
+    monkeypatch.chdir(tmp_path)
+    assert paths.default_results() == repo / "results"
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    assert report.main(["--claims", "--results", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{other / 'claims.yaml'} does not exist" in err[0]

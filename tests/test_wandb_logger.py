@@ -46,15 +46,61 @@ def wandb_env(tmp_path, monkeypatch):
 
 
 def _offline_runs(root: Path):
-    return sorted((root / "wandb").glob("offline-run-*"))
+    """The offline run folders wandb wrote, each checked to hold its record log."""
+    runs = sorted((root / "wandb").glob("offline-run-*"))
+    for run_dir in runs:
+        [log] = run_dir.glob("run-*.wandb")
+        assert log.stat().st_size > 0
+    return runs
 
 
-def test_offline_mode_writes_run_with_metrics(wandb_env, monkeypatch):
+def _flat(summary, prefix: str = "") -> dict:
+    """A wandb summary as a flat dict (nested keys joined by ``/``), read through its public
+    mapping interface."""
+    out = {}
+    for key in summary.keys():
+        value = summary[key]
+        if hasattr(value, "keys"):
+            out.update(_flat(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.fixture
+def stored(monkeypatch):
+    """What reached wandb's public ``Run``: every ``log`` payload, and the config and summary as the
+    run holds them just before kvbench finishes it. wandb has no public reader of an offline run's
+    record log (and writes neither ``files/wandb-summary.json`` nor ``files/config.yaml`` offline),
+    so the tests read the run through its own API before it closes, and check that the run folder
+    holds a record log (:func:`_offline_runs`)."""
+    import wandb
+
+    seen: dict = {"history": [], "config": None, "summary": None}
+    original_log = wandb.Run.log
+
+    def log(self, data, *args, **kwargs):
+        seen["history"].append(dict(data))
+        return original_log(self, data, *args, **kwargs)
+
+    original_finish = kvlog.WandbLogger.finish
+
+    def finish(self):
+        if self.run is not None:
+            seen["config"] = dict(self.run.config)
+            seen["summary"] = _flat(self.run.summary)
+        original_finish(self)
+
+    monkeypatch.setattr(wandb.Run, "log", log)
+    monkeypatch.setattr(kvlog.WandbLogger, "finish", finish)
+    return seen
+
+
+def test_offline_mode_writes_run_with_metrics(wandb_env, monkeypatch, stored):
     root, probes = wandb_env
     monkeypatch.setenv("WANDB_MODE", "offline")
     kvlog.log_run(CONFIG, METRICS)
-    [run_dir] = _offline_runs(root)
-    stored = kvlog.read_offline_run(run_dir)
+    [_] = _offline_runs(root)
     assert stored["summary"]["metrics/score"] == pytest.approx(0.5185)
     assert stored["summary"]["memory/effective_bits"] == pytest.approx(4.029)
     assert stored["summary"]["primary_metric"] == "score"
@@ -72,7 +118,7 @@ def test_auto_mode_without_api_key_goes_offline_without_probing(wandb_env):
     assert probes == []
 
 
-def test_auto_mode_with_key_but_no_network_goes_offline(wandb_env, monkeypatch, capsys):
+def test_auto_mode_with_key_but_no_network_goes_offline(wandb_env, monkeypatch, capsys, stored):
     root, probes = wandb_env
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     cfg = kvlog.LoggerConfig(name="wandb", probe_timeout=1.5)
@@ -86,8 +132,8 @@ def test_auto_mode_with_key_but_no_network_goes_offline(wandb_env, monkeypatch, 
     logger.log_run(METRICS)
     logger.finish()
     assert "wandb offline: " in capsys.readouterr().err
-    [run_dir] = _offline_runs(root)
-    assert kvlog.read_offline_run(run_dir)["summary"]["metrics/n"] == 9
+    [_] = _offline_runs(root)
+    assert stored["summary"]["metrics/n"] == 9
 
 
 def test_netrc_entry_counts_as_key(wandb_env, monkeypatch):
@@ -172,7 +218,7 @@ def test_hydra_logger_group_composes():
     assert plain["logger"] != logged["logger"] and run_id(plain) == run_id(logged)
 
 
-def test_report_figures_logged_offline(wandb_env, monkeypatch):
+def test_report_figures_logged_offline(wandb_env, monkeypatch, stored):
     from synthetic_runs import write_runs
 
     from kvbench.report import build_report
@@ -181,8 +227,8 @@ def test_report_figures_logged_offline(wandb_env, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     result = build_report(write_runs(root / "runs"), root / "out", n_resamples=200, say=lambda _: None)
     kvlog.log_report(result)
-    [run_dir] = _offline_runs(root)
-    summary = kvlog.read_offline_run(run_dir)["summary"]
+    [_] = _offline_runs(root)
+    summary = stored["summary"]
     unit = "niah_tiny_synthetic_cliff"
     assert summary[f"{unit}/cliff_map/_type"] == "image-file"
     assert summary[f"{unit}/memory_quality/_type"] == "image-file"

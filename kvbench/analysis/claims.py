@@ -6,7 +6,7 @@ Schema: one mapping per claim under the top-level ``claims:`` list.
 - ``id``: unique, lower-case words joined by ``-``; ``paper``: one of ``PAPERS``;
 - ``where``, ``statement``: the table/figure/section of the paper and the claim in a sentence or two;
 - ``published``: the paper's value (number or text);
-- ``experiment``: the ``conf/experiment`` node whose runs test it (null only with ``untestable``);
+- ``experiment``: the ``kvbench/conf/experiment`` node whose runs test it (null only with ``untestable``);
 - ``metric``: the per-sample column compared (default: the experiment plan's metric); a dotted path
   reaches into dict columns (``hit_rates.exact_topk.0.005``);
 - ``arms``: ``{name: selector}``; a selector picks one configuration of the experiment's runs by

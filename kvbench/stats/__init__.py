@@ -1,29 +1,20 @@
-"""Paired statistics: method vs FP16 reference on the same samples and seeds, bit-grid cliffs,
-runaway generations and the sample sizes a comparison needs (``power``)."""
+"""Paired statistics: the tests (``paired``), a method vs the FP16 reference over a results table
+(``comparison``), bit-grid cliffs (``cliff``), runaway generations (``runaway``) and the sample sizes a
+comparison needs (``power``)."""
 
-from kvbench.stats.cliff import (
-    Cliff,
-    degenerate_rate,
-    is_degenerate,
-    is_runaway,
-    locate_cliff,
-    repeated_coverage,
-    runaway_rate,
-)
+from kvbench.stats.cliff import Cliff, locate_cliff
+from kvbench.stats.comparison import VERDICTS, compare, verdict
 from kvbench.stats.paired import (
     PAIR_KEYS,
-    VERDICTS,
     aligned_pairs,
     bootstrap_ci,
     cohens_dz,
-    compare,
     holm,
     mcnemar_test,
     paired_differences,
     sign_flip_test,
     tost_bootstrap,
     tost_equivalence,
-    verdict,
     win_rate,
 )
 from kvbench.stats.power import (
@@ -35,6 +26,7 @@ from kvbench.stats.power import (
     power_difference,
     power_equivalence,
 )
+from kvbench.stats.runaway import degenerate_rate, is_degenerate, is_runaway, repeated_coverage, runaway_rate
 
 __all__ = [
     "PAIR_KEYS",

@@ -16,7 +16,8 @@ Only SpeCache's numbers changed when this loop began calling the decode step (be
 forwards skipped the hook): with the task's defaults on the default model, speculative SpeCache went
 from 16.69 to 18.33 at 1 bit and from 15.05 to 15.12 at 2 bits, with the same bytes held; its
 non-speculative variant, and every other method, whose decode step is the plain forward, score
-exactly as before.
+exactly as before. That change is task version 2, so a stored version-1 run is never resumed into
+a version-2 one.
 
 Text (``dataset``):
 
@@ -222,7 +223,7 @@ class PerplexityConfig(TaskConfig):
     each forward feeds (1: strictly token by token, the decode-time access pattern)."""
 
     name: str = "perplexity"
-    version: int = 1
+    version: int = 2
     dataset: str = "wikitext2"
     pg19_book: str | list[str] = "10146"
     c4_documents: int = 1100

@@ -254,19 +254,21 @@ def test_experiment_node_must_exist_unless_pending(tmp_path):
     path = tmp_path / "claims.yaml"
     path.write_text(yaml.safe_dump({"claims": [_claim("x", "better(chan, tok)", experiment="no_such_node")]}))
     with pytest.raises(ClaimsError, match="no node conf/experiment/no_such_node.yaml"):
-        load_claims(path, conf_dir=REPO / "conf", require_all_papers=False)
+        load_claims(path, conf_dir=REPO / "kvbench" / "conf", require_all_papers=False)
     path.write_text(
         yaml.safe_dump(
             {"claims": [_claim("x", "better(chan, tok)", experiment="no_such_node", pending="soon")]}
         )
     )
-    assert load_claims(path, conf_dir=REPO / "conf", require_all_papers=False)[0].pending == "soon"
+    assert (
+        load_claims(path, conf_dir=REPO / "kvbench" / "conf", require_all_papers=False)[0].pending == "soon"
+    )
 
 
 def test_committed_declarations_hold_no_measured_values_or_verdicts():
     text = CLAIMS.read_text()
     assert not re.findall(r"^\s*-?\s*(measured|verdict|source)\s*:", text, flags=re.M)
-    claims = load_claims(CLAIMS, conf_dir=REPO / "conf")
+    claims = load_claims(CLAIMS, conf_dir=REPO / "kvbench" / "conf")
     assert {c.paper for c in claims} == set(PAPERS)
     for claim in claims:
         assert claim.rules or claim.untestable, claim.id

@@ -46,7 +46,7 @@ def test_defaults_are_the_papers_and_the_yaml_matches():
         32,
     )
     assert c.value_group_size == 32
-    node = yaml.safe_load(open("conf/method/ott.yaml"))  # no bits line: the run fills bits
+    node = yaml.safe_load(open("kvbench/conf/method/ott.yaml"))  # no bits line: the run fills bits
     assert build_method(node).config == OTTConfig()
 
 

@@ -123,7 +123,7 @@ def test_groups_cover_the_twenty_one_once():
 def test_conf_node_is_the_official_protocol(data_root):
     from omegaconf import OmegaConf
 
-    node = OmegaConf.load(Path(__file__).parents[2] / "conf" / "task" / "longbench.yaml")
+    node = OmegaConf.load(Path(__file__).parents[2] / "kvbench" / "conf" / "task" / "longbench.yaml")
     task = build_task(node, data_root, seed=0)
     assert task.config == longbench(data_root).config
     assert task.config.tasks == list(ENGLISH_TASKS)

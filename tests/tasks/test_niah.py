@@ -192,7 +192,7 @@ def test_end_to_end_fp16(data_root: Path, fp16_runner):
 def test_conf_node_builds_the_defaults(data_root):
     from omegaconf import OmegaConf
 
-    node = OmegaConf.load(Path(__file__).parents[2] / "conf" / "task" / "niah.yaml")
+    node = OmegaConf.load(Path(__file__).parents[2] / "kvbench" / "conf" / "task" / "niah.yaml")
     task = build_task(node, data_root, seed=0)  # a DictConfig, as Hydra passes it
     assert task.config == niah(data_root).config
     assert task.config.context_lengths == [1024, 2048, 3072] and task.config.depths == [0, 50, 100]

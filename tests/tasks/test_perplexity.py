@@ -258,5 +258,5 @@ def test_end_to_end_fp16(data_root, fp16_runner):
 def test_conf_node_builds_the_defaults(data_root):
     from omegaconf import OmegaConf
 
-    node = OmegaConf.load(Path(__file__).parents[2] / "conf" / "task" / "perplexity.yaml")
+    node = OmegaConf.load(Path(__file__).parents[2] / "kvbench" / "conf" / "task" / "perplexity.yaml")
     assert build_task(node, data_root, seed=0).config == perplexity(data_root).config
