@@ -56,18 +56,12 @@ class MethodConfig:
                 self.backend,
                 f"only {', '.join(self.backends)} is implemented for {self.name}",
             )
-        require(
-            isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
-            "method.sink_tokens",
-            self.sink_tokens,
-            "a token count >= 0",
-        )
+        require(self.sink_tokens >= 0, "method.sink_tokens", self.sink_tokens, "a token count >= 0")
         if self.backend == "triton":
             require_triton("method.backend")
         if self.bits is None:
             self.bits = self.default_bits
         if self.bits is not None:
-            require(isinstance(self.bits, (int, float)), "bits", self.bits, "a number: log2 of a level count")
             self.bits = float(self.bits)
 
     def resolve_kv_bits(self) -> None:
