@@ -43,13 +43,13 @@ class AffineKVConfig(FullPrecisionWindow, MethodConfig):
         super().__post_init__()
         check_choice("method.zero_point", self.zero_point, ZERO_POINTS)
         require(
-            isinstance(self.group_size, int) and self.group_size > 0,
+            self.group_size > 0,
             "method.group_size",
             self.group_size,
             "a positive integer",
         )
         require(
-            isinstance(self.residual, int) and self.residual > 0 and self.residual % self.group_size == 0,
+            self.residual > 0 and self.residual % self.group_size == 0,
             "method.residual",
             self.residual,
             f"must be a positive multiple of method.group_size={self.group_size}",

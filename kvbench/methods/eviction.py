@@ -85,16 +85,10 @@ class EvictionConfig(MethodConfig):
         return covers_context("budget", self.budget, lengths, keep_all)
 
 
-def build_matched(node: Any) -> Method:
+def build_matched(node: dict[str, Any]) -> Method:
     """The quantized configuration whose bytes set the budget, validated under
     ``method.matched_memory``."""
     allowed = [n for n in METHODS.names() if not issubclass(METHODS.get(n), EvictionMethod)]
-    require(
-        isinstance(node, dict),
-        "method.matched_memory",
-        node,
-        f"null or a method node such as {{name: kivi, bits: 2}}; methods: {', '.join(allowed)}",
-    )
     check_choice("method.matched_memory.name", node.get("name"), allowed)
     cls = METHODS.get(node["name"])
     return cls(build_config(cls.Config, node, "method.matched_memory"))

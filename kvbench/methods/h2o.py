@@ -42,7 +42,7 @@ class H2OConfig(EvictionConfig):
     def __post_init__(self):
         super().__post_init__()
         require(
-            is_int(self.query_chunk) and self.query_chunk > 0,
+            self.query_chunk > 0,
             "method.query_chunk",
             self.query_chunk,
             "a positive int",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.cache.eviction import EvictionLayer
-from kvbench.config import is_int, require
+from kvbench.config import require
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import EvictionConfig, EvictionMethod
 
@@ -28,7 +28,7 @@ class RandomPruneConfig(EvictionConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        require(is_int(self.seed) and self.seed >= 0, "method.seed", self.seed, "an int >= 0")
+        require(self.seed >= 0, "method.seed", self.seed, "an int >= 0")
 
 
 class RandomPruneLayer(EvictionLayer):

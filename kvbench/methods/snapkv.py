@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache.eviction import EvictionLayer, grouped_logits
-from kvbench.config import check_choice, is_int, require
+from kvbench.config import check_choice, require
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import EvictionConfig, EvictionMethod
 
@@ -43,7 +43,7 @@ class SnapKVConfig(EvictionConfig):
         super().__post_init__()
         require(self.window >= 1, "method.window", self.window, "an int >= 1 (the observation window)")
         require(
-            is_int(self.kernel_size) and self.kernel_size >= 1 and self.kernel_size % 2 == 1,
+            self.kernel_size >= 1 and self.kernel_size % 2 == 1,
             "method.kernel_size",
             self.kernel_size,
             "an odd int >= 1 (1: no pooling)",

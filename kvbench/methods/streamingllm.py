@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvbench.cache.eviction import EvictionLayer
-from kvbench.config import is_int, require
+from kvbench.config import require
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import EvictionConfig, EvictionMethod
 
@@ -37,7 +37,7 @@ class StreamingLLMConfig(EvictionConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        require(is_int(self.sinks) and self.sinks >= 0, "method.sinks", self.sinks, "an int >= 0")
+        require(self.sinks >= 0, "method.sinks", self.sinks, "an int >= 0")
 
     def check_window(self):
         require(
