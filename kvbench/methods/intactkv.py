@@ -34,15 +34,15 @@ class IntactKVConfig(MethodConfig):
     def __post_init__(self):
         super().__post_init__()
         require(
-            isinstance(self.tokens, int) and self.tokens >= 1,
+            self.tokens >= 1,
             "method.tokens",
             self.tokens,
             "a token count >= 1",
         )
         require(
-            isinstance(self.base, dict) and self.base.get("name") not in (None, "intactkv"),
+            self.base.get("name") not in (None, "intactkv"),
             "method.base.name",
-            self.base.get("name") if isinstance(self.base, dict) else self.base,
+            self.base.get("name"),
             "the node of another method (e.g. kivi, uniform)",
         )
         node = {"bits": self.bits, "fp_dtype": self.fp_dtype, **self.base, "sink_tokens": self.tokens}
