@@ -48,7 +48,7 @@ import torch
 
 from kvbench.cache import KVLayer
 from kvbench.cache.dense_sparse import DenseSparseTokens
-from kvbench.config import check_choice, is_int, is_number, require
+from kvbench.config import check_choice, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, register_method
 from kvbench.methods.kvquant_calibration import LayerCalibration, calibrate, calibrate_layer
@@ -75,9 +75,6 @@ class KVQuantConfig(MethodConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for knob in ("pre_rope", "sink", "calibrate", "sensitivity_weighted"):
-            value = getattr(self, knob)
-            require(isinstance(value, bool), f"method.{knob}", value, "true or false")
         require(
             not self.sensitivity_weighted,
             "method.sensitivity_weighted",
@@ -87,7 +84,7 @@ class KVQuantConfig(MethodConfig):
         check_choice("method.datatype", self.datatype, DATATYPES)
         f = self.outlier_fraction
         require(
-            is_number(f) and 0 <= f < 0.5,
+            0 <= f < 0.5,
             "method.outlier_fraction",
             f,
             "a fraction in [0, 0.5) (0 disables the sparse outliers)",
@@ -95,7 +92,7 @@ class KVQuantConfig(MethodConfig):
         self.outlier_fraction = float(f)
         n = self.calibration_tokens
         require(
-            is_int(n) and n >= 2,
+            n >= 2,
             "method.calibration_tokens",
             n,
             "an integer >= 2",
