@@ -62,7 +62,7 @@ from kvbench.cache.kivi_layout import KIVILayout
 from kvbench.cache.layer import cat_tokens, merge_held
 from kvbench.cache.masks import grouped_additive_mask
 from kvbench.cache.outliers import EMPTY, Pool, place
-from kvbench.config import check_choice, is_int, require
+from kvbench.config import check_choice, require
 from kvbench.methods.affine_base import FullPrecisionWindow, kv_bits_label
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
 from kvbench.quant.affine import ZERO_POINTS
@@ -87,32 +87,32 @@ class OTTConfig(FullPrecisionWindow, MethodConfig):
         super().__post_init__()
         check_choice("method.zero_point", self.zero_point, ZERO_POINTS)
         require(
-            is_int(self.group_size) and self.group_size > 0,
+            self.group_size > 0,
             "method.group_size",
             self.group_size,
             "a positive integer: tokens per quantization step (key channel-group length)",
         )
         require(
-            self.value_group_size is None or (is_int(self.value_group_size) and self.value_group_size > 0),
+            self.value_group_size is None or self.value_group_size > 0,
             "method.value_group_size",
             self.value_group_size,
             "a positive integer dividing head_dim, or null for the whole head",
         )
         require(
-            is_int(self.residual) and self.residual >= 0,
+            self.residual >= 0,
             "method.residual",
             self.residual,
             "a non-negative integer: the full-precision window of newest tokens",
         )
         require(
-            is_int(self.pool_size) and 0 <= self.pool_size <= self.group_size,
+            0 <= self.pool_size <= self.group_size,
             "method.pool_size",
             self.pool_size,
             f"an integer from 0 to method.group_size={self.group_size}",
         )
         for key in ("skip_layers", "extra_pool_size"):
             value = getattr(self, key)
-            require(is_int(value) and value >= 0, f"method.{key}", value, "a non-negative integer")
+            require(value >= 0, f"method.{key}", value, "a non-negative integer")
         self.resolve_kv_bits()
 
     def check_model(self, shape):
