@@ -58,7 +58,7 @@ from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens
 from kvbench.cache.masks import grouped_additive_mask
 from kvbench.cache.quantized import QuantizedTokens
-from kvbench.config import is_int, is_number, require
+from kvbench.config import require
 from kvbench.methods.affine_base import FullPrecisionWindow
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
 from kvbench.quant.packing import unpack
@@ -92,26 +92,26 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
         if self.read_bits is None:
             self.read_bits = min(4.0, self.bits)
         require(
-            is_number(self.read_bits) and 0 < self.read_bits <= self.bits,
+            0 < self.read_bits <= self.bits,
             "method.read_bits",
             self.read_bits,
             f"mean bits read per value: a number in (0, method.bits={self.bits:g}]",
         )
         self.read_bits = float(self.read_bits)
         require(
-            is_int(self.group_size) and self.group_size > 0,
+            self.group_size > 0,
             "method.group_size",
             self.group_size,
             "a positive integer (tokens per key group, channels per value group)",
         )
         require(
-            is_int(self.residual) and self.residual >= 0,
+            self.residual >= 0,
             "method.residual",
             self.residual,
             "a non-negative integer: newest tokens kept in full precision",
         )
         require(
-            is_number(self.key_share) and 0 <= self.key_share <= 1,
+            0 <= self.key_share <= 1,
             "method.key_share",
             self.key_share,
             "the fraction of the read budget spent on keys, in [0, 1]",
