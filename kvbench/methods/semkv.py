@@ -72,7 +72,7 @@ from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens
 from kvbench.cache.quantized import QuantizedTokens
 from kvbench.cache.rotated import HeadRotations, RotatedCodes
-from kvbench.config import check_choice, is_int, is_number, require
+from kvbench.config import check_choice, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
 from kvbench.methods.semkv_metrics import (
@@ -100,10 +100,6 @@ from kvbench.quant.mixed import (
 BASES = ("uniform", "turboquant")
 
 
-def _positive_int(value) -> bool:
-    return is_int(value) and value > 0
-
-
 @dataclass
 class SemKVConfig(MethodConfig):
     name: str = "semkv"
@@ -125,7 +121,7 @@ class SemKVConfig(MethodConfig):
         for key in ("high_levels", "low_levels"):
             value = getattr(self, key)
             require(
-                _positive_int(value) and 2 <= value <= 256,
+                2 <= value <= 256,
                 f"method.{key}",
                 value,
                 "an integer level count 2..256",
@@ -143,7 +139,6 @@ class SemKVConfig(MethodConfig):
             f"an average code width in [log2 {self.low_levels}, log2 {self.high_levels}]"
             f" = [{lo:.4f}, {hi:.4f}]"
         )
-        require(is_number(target), key, target, allowed)
         try:
             high_fraction(float(target), self.low_levels, self.high_levels)
         except ValueError:
@@ -151,12 +146,10 @@ class SemKVConfig(MethodConfig):
         self.target_bits = self.bits = float(target)
         check_choice("method.metric", self.metric, METRICS)
         check_choice("method.base", self.base, BASES)
-        require(_positive_int(self.chunk), "method.chunk", self.chunk, "a positive token count")
+        require(self.chunk > 0, "method.chunk", self.chunk, "a positive token count")
+        require(self.query_chunk > 0, "method.query_chunk", self.query_chunk, "a positive query count")
         require(
-            _positive_int(self.query_chunk), "method.query_chunk", self.query_chunk, "a positive query count"
-        )
-        require(
-            is_int(self.seed) and 0 <= self.seed < 2**63,
+            0 <= self.seed < 2**63,
             "method.seed",
             self.seed,
             "a non-negative integer",
