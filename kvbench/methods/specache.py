@@ -83,12 +83,11 @@ class SpeCacheConfig(AffineKVConfig):
     def __post_init__(self):
         super().__post_init__()
         require(
-            isinstance(self.topk, int) and not isinstance(self.topk, bool) and self.topk >= 0,
+            self.topk >= 0,
             "method.topk",
             self.topk,
             "a token count >= 0 (0: no prefetch, the low-bit cache alone)",
         )
-        require(isinstance(self.speculative, bool), "method.speculative", self.speculative, "true or false")
         require(
             self.backend == "torch",
             "method.backend",
