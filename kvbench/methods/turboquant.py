@@ -42,7 +42,7 @@ import torch
 from kvbench.cache.composite import CompositeLayer
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.rotated import HeadRotations, RotatedCodes
-from kvbench.config import is_int, require
+from kvbench.config import require
 from kvbench.methods.affine_base import FullPrecisionWindow, kv_bits_label
 from kvbench.methods.base import Method, MethodConfig, register_method
 
@@ -61,13 +61,13 @@ class TurboQuantConfig(FullPrecisionWindow, MethodConfig):
     def __post_init__(self):
         super().__post_init__()
         require(
-            is_int(self.seed) and 0 <= self.seed < 2**63,
+            0 <= self.seed < 2**63,
             "method.seed",
             self.seed,
             "a non-negative integer (the rotation seed)",
         )
         require(
-            is_int(self.residual) and self.residual >= 0,
+            self.residual >= 0,
             "method.residual",
             self.residual,
             "a non-negative token count (0: no full-precision window)",
