@@ -45,7 +45,7 @@ class UniformConfig(MethodConfig):
         self.levels()
         if "channel" in (self.key_axis, self.value_axis):
             require(
-                isinstance(self.group_size, int) and self.group_size > 0,
+                self.group_size is not None and self.group_size > 0,
                 "method.group_size",
                 self.group_size,
                 "a positive token count when an axis is 'channel'",
