@@ -25,7 +25,7 @@ class TaskConfig:
 
     def __post_init__(self):
         require(
-            self.limit is None or (isinstance(self.limit, int) and self.limit > 0),
+            self.limit is None or self.limit > 0,
             "task.limit",
             self.limit,
             "a positive integer or null",
