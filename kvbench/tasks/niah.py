@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbench.config import check_choice, is_int, is_number, require
+from kvbench.config import check_choice, require
 from kvbench.data import missing_file, read_text
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
@@ -149,33 +149,31 @@ class NIAHConfig(TaskConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        require(_int_at_least(self.buffer, 0), "task.buffer", self.buffer, "an int >= 0")
-        require(
-            _positive_int(self.max_new_tokens), "task.max_new_tokens", self.max_new_tokens, "a positive int"
-        )
+        require(self.buffer >= 0, "task.buffer", self.buffer, "an int >= 0")
+        require(self.max_new_tokens > 0, "task.max_new_tokens", self.max_new_tokens, "a positive int")
         check_choice("task.grid", self.grid, GRIDS)
         check_choice("task.haystack_order", self.haystack_order, HAYSTACK_ORDERS)
         if self.grid == "kamradt":
             require(
-                _positive_int(self.min_length) and self.min_length > self.buffer,
+                self.min_length > 0 and self.min_length > self.buffer,
                 "task.min_length",
                 self.min_length,
                 f"an int above task.buffer={self.buffer}",
             )
             require(
-                _int_at_least(self.max_length, self.min_length),
+                self.max_length >= self.min_length,
                 "task.max_length",
                 self.max_length,
                 f"an int >= task.min_length={self.min_length}",
             )
-            require(_positive_int(self.num_lengths), "task.num_lengths", self.num_lengths, "a positive int")
-            require(_int_at_least(self.num_depths, 2), "task.num_depths", self.num_depths, "an int >= 2")
+            require(self.num_lengths > 0, "task.num_lengths", self.num_lengths, "a positive int")
+            require(self.num_depths >= 2, "task.num_depths", self.num_depths, "an int >= 2")
             self.context_lengths, self.depths = kamradt_grid(
                 self.min_length, self.max_length, self.num_lengths, self.num_depths
             )
         lengths = _as_list(self.context_lengths)
         require(
-            bool(lengths) and all(_positive_int(n) and n > self.buffer for n in lengths),
+            bool(lengths) and all(n > 0 and n > self.buffer for n in lengths),
             "task.context_lengths",
             self.context_lengths,
             f"a non-empty list of ints, each above task.buffer={self.buffer}",
@@ -183,7 +181,7 @@ class NIAHConfig(TaskConfig):
         require(len(set(lengths)) == len(lengths), "task.context_lengths", lengths, "no repeated lengths")
         depths = _as_list(self.depths)
         require(
-            bool(depths) and all(is_number(d) and 0 <= d <= 100 for d in depths),
+            bool(depths) and all(0 <= d <= 100 for d in depths),
             "task.depths",
             self.depths,
             "a non-empty list of percentages, each in 0..100",
@@ -199,14 +197,6 @@ HAYSTACK_ORDERS = ("seeded", "sorted")
 def _as_list(x: Any) -> list | None:
     """A plain list from any sequence (an OmegaConf ListConfig included), else None."""
     return list(x) if isinstance(x, Sequence) and not isinstance(x, (str, bytes)) else None
-
-
-def _int_at_least(x: Any, lowest: int) -> bool:
-    return is_int(x) and x >= lowest
-
-
-def _positive_int(x: Any) -> bool:
-    return _int_at_least(x, 1)
 
 
 def sample_id(length: int, depth: float) -> str:
