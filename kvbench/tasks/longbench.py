@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from kvbench.config import check_choice, is_int, require
+from kvbench.config import check_choice, require
 from kvbench.data import parse_json_lines, read_json, read_json_lines, require_file
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
@@ -179,14 +179,14 @@ class LongBenchConfig(TaskConfig):
         check_choice("task.source", self.source, SOURCES)
         check_choice("task.code_sim_backend", self.code_sim_backend, CODE_SIM_BACKENDS)
         require(
-            is_int(self.max_prompt_tokens) and self.max_prompt_tokens >= 2,
+            self.max_prompt_tokens >= 2,
             "task.max_prompt_tokens",
             self.max_prompt_tokens,
             "an int >= 2 (tokens kept: half from the start of the prompt, half from its end)",
         )
         for key in ("limit_per_task", "max_new_tokens_cap"):
             value = getattr(self, key)
-            ok = value is None or (is_int(value) and value > 0)
+            ok = value is None or value > 0
             require(ok, f"task.{key}", value, "a positive int or null")
 
 
