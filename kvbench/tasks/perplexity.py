@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from kvbench.config import check_choice, is_int, require
+from kvbench.config import check_choice, require
 from kvbench.data import missing_file, read_text
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
@@ -247,7 +247,7 @@ class PerplexityConfig(TaskConfig):
         )
         for key in ("context_length", "continuation_length", "windows", "chunk", "c4_documents"):
             value = getattr(self, key)
-            ok = is_int(value) and value > 0
+            ok = value > 0
             require(ok, f"task.{key}", value, "a positive int")
 
 
