@@ -302,7 +302,7 @@ class HitRateConfig(TaskConfig):
         require(self.pg19_book.isdigit(), "task.pg19_book", self.pg19_book, "a Project Gutenberg book number")
         for key in ("context_length", "windows", "decode_positions", "spec_group_size", "spec_residual"):
             value = getattr(self, key)
-            require(is_int(value) and value > 0, f"task.{key}", value, "a positive int")
+            require(value > 0, f"task.{key}", value, "a positive int")
         require(
             self.decode_positions < self.context_length,
             "task.decode_positions",
@@ -317,7 +317,7 @@ class HitRateConfig(TaskConfig):
         keys = [sparsity_key(s) for s in self.sparsities]
         require(len(set(keys)) == len(keys), "task.sparsities", self.sparsities, "distinct values")
         require(
-            is_number(self.primary_sparsity) and sparsity_key(self.primary_sparsity) in keys,
+            sparsity_key(self.primary_sparsity) in keys,
             "task.primary_sparsity",
             self.primary_sparsity,
             f"one of the sparsities {keys}",
@@ -332,7 +332,7 @@ class HitRateConfig(TaskConfig):
             require(ok, "task.layers", self.layers, "null (every layer) or a list of distinct layer indices")
             self.layers = sorted(self.layers)
         require(
-            is_number(self.h2o_recent_ratio) and 0 <= self.h2o_recent_ratio <= 1,
+            0 <= self.h2o_recent_ratio <= 1,
             "task.h2o_recent_ratio",
             self.h2o_recent_ratio,
             "a number in [0, 1]",
