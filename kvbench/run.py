@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 import kvbench
-from kvbench.config import build_config, check_choice, is_int, is_number, require, to_plain, unknown_key
+from kvbench.config import build_config, check_choice, require, to_plain, unknown_key
 from kvbench.data import resolve_data_root
 from kvbench.errors import ConfigError
 from kvbench.methods import Method, build_method
@@ -52,7 +52,6 @@ class OutputConfig:
         require(
             isinstance(self.root, str) and self.root.strip() != "", "output.root", self.root, "a folder path"
         )
-        require(isinstance(self.resume, bool), "output.resume", self.resume, "true or false")
 
     def check_root(self) -> None:
         """The root can be created and written. Probed by making and removing a temporary folder in
@@ -87,13 +86,13 @@ class RunConfig:
     def __post_init__(self):
         # a negative or fractional seed would run, into a folder named seed-1 or seed1.5
         require(
-            is_int(self.seed) and 0 <= self.seed < SEED_LIMIT,
+            0 <= self.seed < SEED_LIMIT,
             "seed",
             self.seed,
             f"an int in 0..{SEED_LIMIT - 1}",
         )
         require(
-            self.bits is None or (is_number(self.bits) and self.bits > 0),
+            self.bits is None or self.bits > 0,
             "bits",
             self.bits,
             "a positive number (log2 of a level count), or null for the method's default",
