@@ -23,7 +23,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from kvbench.config import is_int, is_number, require
+from kvbench.config import require
 
 # Keys that say where things are, not what is computed: left out of the run id.
 PATH_KEYS = {"output", "data", "hydra", "logger"}
@@ -240,19 +240,17 @@ class AnalysisPlan:
         for key in ("name", "reference", "metric"):
             value = getattr(self, key)
             require(isinstance(value, str) and value != "", f"analysis.{key}", value, "a non-empty string")
+        require(0 < self.alpha < 1, "analysis.alpha", self.alpha, "a number in (0, 1)")
         require(
-            is_number(self.alpha) and 0 < self.alpha < 1, "analysis.alpha", self.alpha, "a number in (0, 1)"
-        )
-        require(
-            is_number(self.margin) and math.isfinite(self.margin) and self.margin > 0,
+            math.isfinite(self.margin) and self.margin > 0,
             "analysis.margin",
             self.margin,
             "a positive number, in units of the metric",
         )
-        require(is_int(self.n) and self.n > 0, "analysis.n", self.n, "a positive int (samples per seed)")
+        require(self.n > 0, "analysis.n", self.n, "a positive int (samples per seed)")
         seeds = list(self.seeds) if isinstance(self.seeds, (list, tuple)) else None
         require(
-            bool(seeds) and all(is_int(s) for s in seeds) and len(set(seeds)) == len(seeds),
+            bool(seeds) and len(set(seeds)) == len(seeds),
             "analysis.seeds",
             self.seeds,
             "a non-empty list of distinct ints",
@@ -261,9 +259,7 @@ class AnalysisPlan:
         if self.grid is not None:
             grid = list(self.grid) if isinstance(self.grid, (list, tuple)) else None
             require(
-                bool(grid)
-                and all(is_number(g) for g in grid)
-                and all(a < b for a, b in zip(grid, grid[1:], strict=False)),
+                bool(grid) and all(a < b for a, b in zip(grid, grid[1:], strict=False)),
                 "analysis.grid",
                 self.grid,
                 "a non-empty, strictly increasing list of numbers",
