@@ -122,9 +122,10 @@ _LOOKUPS: dict[tuple, torch.Tensor] = {}
 
 
 def byte_lookup(levels: int, table: torch.Tensor | None = None) -> torch.Tensor | None:
-    """float32 ``[256, c]``: the c code values held by each byte, mapped through ``table [L]``
-    (the codes themselves, 0..L-1, when None). None for layouts whose chunks span several bytes
-    (L = 8, 32, 64, 128), which are unpacked arithmetically instead."""
+    """``[256, c]``: the c codes held by each byte, as uint8 (``table`` None), or mapped through
+    ``table [L]`` as float32. None for layouts whose chunks span several bytes (L = 8, 32, 64, 128),
+    which are unpacked arithmetically instead. (uint8 codes are four times fewer bytes to write than
+    float32 ones, and the affine map that follows promotes them in the same pass.)"""
     c, m = chunk_layout(levels)
     if m != 1:
         return None
@@ -135,7 +136,7 @@ def byte_lookup(levels: int, table: torch.Tensor | None = None) -> torch.Tensor 
     byte = torch.arange(256, dtype=torch.int64, device=device)[:, None]
     weights = torch.tensor([levels**i for i in range(c)], dtype=torch.int64, device=device)
     digits = torch.div(byte, weights, rounding_mode="floor") % levels
-    values = digits.float() if table is None else table.float()[digits]
+    values = digits.to(torch.uint8) if table is None else table.float()[digits]
     if key is not None:
         _LOOKUPS[key] = values
     return values
@@ -144,13 +145,13 @@ def byte_lookup(levels: int, table: torch.Tensor | None = None) -> torch.Tensor 
 def decode_codes(
     packed: torch.Tensor, levels: int, head_dim: int, lookup: torch.Tensor | None, table: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """float32 ``[..., head_dim]``: the code values (or ``table[code]``) of packed ``[..., M]`` bytes."""
+    """The codes of packed ``[..., M]`` bytes as uint8 ``[..., head_dim]``, or ``table[code]`` as float32."""
     if lookup is not None:
         *lead, size = packed.shape
         flat = torch.index_select(lookup, 0, packed.reshape(-1).long())
         return flat.reshape(*lead, size * lookup.shape[1])[..., :head_dim]
     codes = unpack(packed, levels, head_dim)
-    return codes.float() if table is None else table.float()[codes.long()]
+    return codes if table is None else table.float()[codes.long()]
 
 
 def _check_packed(codes: torch.Tensor, levels: int, head_dim: int) -> None:
@@ -169,6 +170,8 @@ class _PackedSource(BlockSource):
         self.codes, self.levels, self.head_dim = codes, levels, head_dim
         self.table = table
         self.lookup = byte_lookup(levels, table)
+        # the code values as float32 (for the folded paths, which feed codes straight to a matmul)
+        self.float_lookup = self.lookup if table is not None else byte_lookup(levels, torch.arange(levels))
 
     @property
     def num_tokens(self) -> int:
@@ -179,8 +182,16 @@ class _PackedSource(BlockSource):
         return self.codes.shape[1]
 
     def _codes(self, start: int, stop: int) -> torch.Tensor:
-        """float32 ``[B, H_kv, stop - start, D]``: the code values of the range (table applied)."""
+        """``[B, H_kv, stop - start, D]``: the codes of the range (uint8), or their table values
+        (float32) for a codebook source."""
         return decode_codes(self.codes[..., start:stop, :], self.levels, self.head_dim, self.lookup, self.table)
+
+    def _float_codes(self, start: int, stop: int) -> torch.Tensor:
+        """float32 ``[B, H_kv, stop - start, D]``: the code values of the range, in one pass."""
+        packed = self.codes[..., start:stop, :]
+        if self.float_lookup is None:
+            return unpack(packed, self.levels, self.head_dim).float()
+        return decode_codes(packed, self.levels, self.head_dim, self.float_lookup, torch.arange(self.levels))
 
 
 class PerTokenAffineSource(_PackedSource):
@@ -193,7 +204,7 @@ class PerTokenAffineSource(_PackedSource):
         fold: compute ``mix`` as ``sum_t (p_t s_t) c_t + sum_t p_t z_t`` instead of dequantizing.
     """
 
-    def __init__(self, codes, scale, zero, levels: int, group_size: int, head_dim: int, fold: bool = False):
+    def __init__(self, codes, scale, zero, levels: int, group_size: int, head_dim: int, fold: bool = True):
         super().__init__(codes, levels, head_dim)
         b, h, t, _ = codes.shape
         if head_dim % group_size:
@@ -205,7 +216,7 @@ class PerTokenAffineSource(_PackedSource):
         self.scale, self.zero, self.group_size, self.fold = scale, zero, group_size, fold
 
     @classmethod
-    def from_store(cls, store, fold: bool = False) -> PerTokenAffineSource:
+    def from_store(cls, store, fold: bool = True) -> PerTokenAffineSource:
         """The source of a ``QuantizedTokens`` with ``axis="token"`` (read, never modified)."""
         group = store.group_size or store.head_dim
         return cls(store.codes, store.scale, store.zero, store.levels, group, store.head_dim, fold)
@@ -216,24 +227,24 @@ class PerTokenAffineSource(_PackedSource):
         b, h, n, d = c.shape
         s = self.scale[..., start:stop, :, None].float()
         z = self.zero[..., start:stop, :, None].float()
-        return (c.view(b, h, n, d // self.group_size, self.group_size) * s + z).view(b, h, n, d)
+        return torch.addcmul(z, c.view(b, h, n, d // self.group_size, self.group_size), s).view(b, h, n, d)
 
     def mix(self, weights: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         if not self.fold:
             return super().mix(weights, start, stop)
         self._check_range(start, stop)
-        c = self._codes(start, stop)
+        c = self._float_codes(start, stop)
         b, h, n, d = c.shape
-        groups = d // self.group_size
-        s = self.scale[..., start:stop, :].float()  # [B, H, n, g]
+        gs = self.group_size
+        s = self.scale[..., start:stop, :].float()  # [B, H, n, D / G]
         z = self.zero[..., start:stop, :].float()
-        # per group g: (p * s[:, g]) @ c[:, g, :]; the zero term is p @ z, constant over the group
-        ps = weights[..., :, None] * s[:, :, None]  # [B, H, M, n, g]
-        out = torch.matmul(
-            ps.permute(0, 1, 4, 2, 3), c.view(b, h, n, groups, self.group_size).transpose(2, 3)
-        )  # [B, H, g, M, G]
-        out = out + torch.matmul(weights, z).transpose(-1, -2)[..., None]
-        return out.permute(0, 1, 3, 2, 4).reshape(b, h, weights.shape[2], d)
+        # per channel group g: (p * s[:, g]) @ c[:, g's channels]; the zero term p @ z is constant
+        # over the group's channels
+        zero_term = torch.matmul(weights, z)  # [B, H, M, D / G]
+        out = torch.empty(b, h, weights.shape[2], d, device=weights.device)
+        for g in range(d // gs):
+            torch.matmul(weights * s[..., None, :, g], c[..., g * gs : (g + 1) * gs], out=out[..., g * gs : (g + 1) * gs])
+        return out.view(b, h, -1, d // gs, gs).add_(zero_term[..., None]).view(b, h, -1, d)
 
 
 class PerChannelAffineSource(_PackedSource):
@@ -247,7 +258,7 @@ class PerChannelAffineSource(_PackedSource):
             (on group-aligned ranges; unaligned ones are dequantized).
     """
 
-    def __init__(self, codes, scale, zero, levels: int, group_size: int, head_dim: int, fold: bool = True):
+    def __init__(self, codes, scale, zero, levels: int, group_size: int, head_dim: int, fold: bool = False):
         super().__init__(codes, levels, head_dim)
         b, h, t, _ = codes.shape
         if t % group_size:
@@ -259,7 +270,7 @@ class PerChannelAffineSource(_PackedSource):
         self.scale, self.zero, self.group_size, self.fold = scale, zero, group_size, fold
 
     @classmethod
-    def from_store(cls, store, fold: bool = True) -> PerChannelAffineSource:
+    def from_store(cls, store, fold: bool = False) -> PerChannelAffineSource:
         """The source of a ``QuantizedTokens`` with ``axis="channel"`` and a fixed group size."""
         if store.group_size is None:
             raise ValueError("a channel-axis store with group_size=None has no fixed group size")
@@ -282,16 +293,16 @@ class PerChannelAffineSource(_PackedSource):
             b, h, n, d = c.shape
             s = self.scale[..., start // g : stop // g, None, :].float()
             z = self.zero[..., start // g : stop // g, None, :].float()
-            return (c.view(b, h, n // g, g, d) * s + z).view(b, h, n, d)
+            return torch.addcmul(z, c.view(b, h, n // g, g, d), s).view(b, h, n, d)
         s, z = self._params(start, stop)
-        return c * s + z
+        return torch.addcmul(z, c, s)
 
     def scores(self, query: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         g = self.group_size
         if not self.fold or start % g or stop % g:
             return super().scores(query, start, stop)
         self._check_range(start, stop)
-        c = self._codes(start, stop)
+        c = self._float_codes(start, stop)
         b, h, n, d = c.shape
         s = self.scale[..., start // g : stop // g, :].float()  # [B, H, n/G, D]
         z = self.zero[..., start // g : stop // g, :].float()

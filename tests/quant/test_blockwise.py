@@ -5,6 +5,7 @@ residuals, an empty quantized part, decode (q = 1) and chunked scoring (q > 1, c
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -64,7 +65,7 @@ def _nuq(kind: str, x: torch.Tensor) -> tuple[TokenSource, torch.Tensor]:
         mask = topk_outlier_mask(x, 0.02)
         scale, zero = scale_zero(*masked_range(x, mask))
     y = normalize(x, scale, zero)
-    codebook = kmeans_1d(y[..., :64, :], levels).half()
+    codebook = kmeans_1d(y[..., :16, :], levels, iters=20).half()
     codes = nearest_code(y, codebook.float())
     ref = codebook.float()[codes.long()] * scale.float() + zero.float()
     outliers = None
@@ -177,7 +178,10 @@ LAYOUTS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _cache(kind_k: str, kind_v: str, layout: str, seed: int = 0):
+    """Sources of one layer's keys and values (sink | body | residual) and their dense parts; cached,
+    since nothing here modifies them."""
     sink, kb, kr, vb, vr = LAYOUTS[layout]
     total = sink + kb + kr
     assert total == sink + vb + vr
