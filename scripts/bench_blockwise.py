@@ -11,10 +11,11 @@ query (q = 1), stored contexts of 1K, 4K and 8K tokens, on ``--threads`` threads
   (``QuantizedTokens.dequantize()``: ``unpack`` + ``dequantize_grouped``; ``RotatedCodes.dequantize()``
   for the codebook), ``cat_tokens`` with the residual, concatenate the new token, SDPA;
 - ``blockwise ...``: :func:`kvbench.quant.blockwise.blockwise_attention` over the stored sources plus
-  the new token attended exactly, for fp16 storage, KIVI 2-bit (per-channel keys with scales folded
-  into the query + per-token values, G = 32, fp16 residual: values 128 tokens, keys a partly full
-  window of 64), and TurboQuant 2-bit codes (a Lloyd-Max codebook on randomly rotated coordinates,
-  attended in the rotated space).
+  the new token attended exactly, for fp16 storage, KIVI 2-bit (per-channel keys + per-token values
+  with their scales folded into the attention weights, G = 32, fp16 residual: values 128 tokens,
+  keys a partly full window of 64; variants fold the key scales into the query as well, or fold
+  nothing, or change the block size), and TurboQuant 2-bit codes (a Lloyd-Max codebook on randomly
+  rotated coordinates, attended in the rotated space).
 
 Every repetition runs all contenders once, in a fresh random order (so load from other processes
 spreads over all of them), and the table reports medians, the ratio to ``sdpa fp32`` and to
@@ -78,7 +79,9 @@ class PeakTransient(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         known = {
-            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
         }
         for t in tree_flatten(out)[0]:
             if type(t) is torch.Tensor:
@@ -150,7 +153,9 @@ def contenders(n: int, block_size: int) -> dict[str, callable]:
         return torch.einsum("bhte,hed->bhtd", c, rot) * norm.float()
 
     def kivi_sources(fold_keys: bool, fold_values: bool):
-        keys = ConcatSource([PerChannelAffineSource.from_store(kq, fold=fold_keys), FullPrecisionSource(k_res.data)])
+        keys = ConcatSource(
+            [PerChannelAffineSource.from_store(kq, fold=fold_keys), FullPrecisionSource(k_res.data)]
+        )
         values = ConcatSource(
             [PerTokenAffineSource.from_store(vq, fold=fold_values), FullPrecisionSource(v_res.data)]
         )
@@ -178,7 +183,9 @@ def contenders(n: int, block_size: int) -> dict[str, callable]:
 
     return {
         "sdpa fp32": lambda: _sdpa(module, query, k32_all, v32_all),
-        "DynamicCache": lambda: _sdpa(module, query, torch.cat([k32, k_new], -2), torch.cat([v32, v_new], -2)),
+        "DynamicCache": lambda: _sdpa(
+            module, query, torch.cat([k32, k_new], -2), torch.cat([v32, v_new], -2)
+        ),
         "blockwise fp32": lambda: blockwise(FullPrecisionSource(k32), FullPrecisionSource(v32)),
         "rebuild fp16": rebuild_fp16,
         "blockwise fp16": lambda: blockwise(FullPrecisionSource(k16), FullPrecisionSource(v16)),
@@ -201,7 +208,7 @@ def bench_attention(lengths, reps: int, block_size: int, clock) -> list[dict]:
     for n in lengths:
         fns = contenders(n, block_size)
         times: dict[str, list[float]] = {label: [] for label in fns}
-        for label, fn in fns.items():  # warm-up
+        for fn in fns.values():  # warm-up
             fn()
         for _ in range(reps):
             order = list(fns)

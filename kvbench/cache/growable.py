@@ -37,7 +37,9 @@ class GrowableTokens:
         min_capacity: rows of the first allocation, at least (then the next power of two that fits).
     """
 
-    def __init__(self, dtype: torch.dtype | None = None, tokens_per_row: int = 1, min_capacity: int = MIN_CAPACITY):
+    def __init__(
+        self, dtype: torch.dtype | None = None, tokens_per_row: int = 1, min_capacity: int = MIN_CAPACITY
+    ):
         if isinstance(tokens_per_row, bool) or not isinstance(tokens_per_row, int) or tokens_per_row < 1:
             raise ValueError(f"tokens_per_row must be a positive int, got {tokens_per_row!r}")
         if isinstance(min_capacity, bool) or not isinstance(min_capacity, int) or min_capacity < 1:
@@ -133,11 +135,16 @@ class GrowableTokens:
             return
         capacity = max(self.capacity * 2, _next_power_of_two(needed))
         fresh = torch.empty(
-            *self.buffer.shape[:-2], capacity, self.buffer.shape[-1], dtype=self.dtype, device=self.buffer.device
+            *self.buffer.shape[:-2],
+            capacity,
+            self.buffer.shape[-1],
+            dtype=self.dtype,
+            device=self.buffer.device,
         )
         fresh[..., : self.rows, :].copy_(self.view())
         self.buffer, self.start = fresh, 0
         self.reallocations += 1
+
 
 def _next_power_of_two(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

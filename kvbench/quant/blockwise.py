@@ -101,7 +101,9 @@ class FullPrecisionSource(BlockSource):
 
     def __init__(self, data: torch.Tensor):
         if data.dim() != 4 or not data.is_floating_point():
-            raise ValueError(f"data must be a float tensor [B, H_kv, T, D], got {data.dtype} {tuple(data.shape)}")
+            raise ValueError(
+                f"data must be a float tensor [B, H_kv, T, D], got {data.dtype} {tuple(data.shape)}"
+            )
         self.data = data
 
     @property
@@ -121,7 +123,9 @@ class FullPrecisionSource(BlockSource):
 _LOOKUPS: dict[tuple, torch.Tensor] = {}
 
 
-def byte_lookup(levels: int, table: torch.Tensor | None = None) -> torch.Tensor | None:
+def byte_lookup(
+    levels: int, table: torch.Tensor | None = None, device: torch.device | str | None = None
+) -> torch.Tensor | None:
     """``[256, c]``: the c codes held by each byte, as uint8 (``table`` None), or mapped through
     ``table [L]`` as float32. None for layouts whose chunks span several bytes (L = 8, 32, 64, 128),
     which are unpacked arithmetically instead. (uint8 codes are four times fewer bytes to write than
@@ -129,7 +133,8 @@ def byte_lookup(levels: int, table: torch.Tensor | None = None) -> torch.Tensor 
     c, m = chunk_layout(levels)
     if m != 1:
         return None
-    device = table.device if table is not None else torch.device("cpu")
+    device = torch.device(device) if device is not None else table.device if table is not None else "cpu"
+    table = None if table is None else table.to(device)
     key = (levels, str(device)) if table is None else None
     if key is not None and key in _LOOKUPS:
         return _LOOKUPS[key]
@@ -142,8 +147,21 @@ def byte_lookup(levels: int, table: torch.Tensor | None = None) -> torch.Tensor 
     return values
 
 
+def _float_codes_lookup(levels: int, device: torch.device) -> torch.Tensor | None:
+    """:func:`byte_lookup` of the codes themselves as float32, cached per (levels, device)."""
+    key = (levels, str(device), "float")
+    if key not in _LOOKUPS:
+        lookup = byte_lookup(levels, device=device)
+        _LOOKUPS[key] = None if lookup is None else lookup.to(device=device, dtype=torch.float32)
+    return _LOOKUPS[key]
+
+
 def decode_codes(
-    packed: torch.Tensor, levels: int, head_dim: int, lookup: torch.Tensor | None, table: torch.Tensor | None = None
+    packed: torch.Tensor,
+    levels: int,
+    head_dim: int,
+    lookup: torch.Tensor | None,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The codes of packed ``[..., M]`` bytes as uint8 ``[..., head_dim]``, or ``table[code]`` as float32."""
     if lookup is not None:
@@ -169,9 +187,9 @@ class _PackedSource(BlockSource):
         _check_packed(codes, levels, head_dim)
         self.codes, self.levels, self.head_dim = codes, levels, head_dim
         self.table = table
-        self.lookup = byte_lookup(levels, table)
+        self.lookup = byte_lookup(levels, table, codes.device)
         # the code values as float32 (for the folded paths, which feed codes straight to a matmul)
-        self.float_lookup = self.lookup if table is not None else byte_lookup(levels, torch.arange(levels))
+        self.float_lookup = self.lookup if table is not None else _float_codes_lookup(levels, codes.device)
 
     @property
     def num_tokens(self) -> int:
@@ -184,14 +202,16 @@ class _PackedSource(BlockSource):
     def _codes(self, start: int, stop: int) -> torch.Tensor:
         """``[B, H_kv, stop - start, D]``: the codes of the range (uint8), or their table values
         (float32) for a codebook source."""
-        return decode_codes(self.codes[..., start:stop, :], self.levels, self.head_dim, self.lookup, self.table)
+        return decode_codes(
+            self.codes[..., start:stop, :], self.levels, self.head_dim, self.lookup, self.table
+        )
 
     def _float_codes(self, start: int, stop: int) -> torch.Tensor:
         """float32 ``[B, H_kv, stop - start, D]``: the code values of the range, in one pass."""
         packed = self.codes[..., start:stop, :]
         if self.float_lookup is None:
             return unpack(packed, self.levels, self.head_dim).float()
-        return decode_codes(packed, self.levels, self.head_dim, self.float_lookup, torch.arange(self.levels))
+        return decode_codes(packed, self.levels, self.head_dim, self.float_lookup, self.float_lookup)
 
 
 class PerTokenAffineSource(_PackedSource):
@@ -243,7 +263,11 @@ class PerTokenAffineSource(_PackedSource):
         zero_term = torch.matmul(weights, z)  # [B, H, M, D / G]
         out = torch.empty(b, h, weights.shape[2], d, device=weights.device)
         for g in range(d // gs):
-            torch.matmul(weights * s[..., None, :, g], c[..., g * gs : (g + 1) * gs], out=out[..., g * gs : (g + 1) * gs])
+            torch.matmul(
+                weights * s[..., None, :, g],
+                c[..., g * gs : (g + 1) * gs],
+                out=out[..., g * gs : (g + 1) * gs],
+            )
         return out.view(b, h, -1, d // gs, gs).add_(zero_term[..., None]).view(b, h, -1, d)
 
 
@@ -262,11 +286,15 @@ class PerChannelAffineSource(_PackedSource):
         super().__init__(codes, levels, head_dim)
         b, h, t, _ = codes.shape
         if t % group_size:
-            raise ValueError(f"per-channel codes hold T={t} tokens, not a multiple of group_size={group_size}")
+            raise ValueError(
+                f"per-channel codes hold T={t} tokens, not a multiple of group_size={group_size}"
+            )
         expected = (b, h, t // group_size, head_dim)
         for name, x in (("scale", scale), ("zero", zero)):
             if tuple(x.shape) != expected:
-                raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {expected} (per-channel groups)")
+                raise ValueError(
+                    f"{name} has shape {tuple(x.shape)}, expected {expected} (per-channel groups)"
+                )
         self.scale, self.zero, self.group_size, self.fold = scale, zero, group_size, fold
 
     @classmethod
@@ -281,8 +309,16 @@ class PerChannelAffineSource(_PackedSource):
         g = self.group_size
         first, last = start // g, -(-stop // g)
         offset = start - first * g
-        s = self.scale[..., first:last, :].float().repeat_interleave(g, dim=-2)[..., offset : offset + stop - start, :]
-        z = self.zero[..., first:last, :].float().repeat_interleave(g, dim=-2)[..., offset : offset + stop - start, :]
+        s = (
+            self.scale[..., first:last, :]
+            .float()
+            .repeat_interleave(g, dim=-2)[..., offset : offset + stop - start, :]
+        )
+        z = (
+            self.zero[..., first:last, :]
+            .float()
+            .repeat_interleave(g, dim=-2)[..., offset : offset + stop - start, :]
+        )
         return s, z
 
     def read(self, start: int, stop: int) -> torch.Tensor:
@@ -350,7 +386,9 @@ class CodebookSource(_PackedSource):
                 )
         h = codes.shape[1]
         if rotation is not None and tuple(rotation.shape) != (h, head_dim, head_dim):
-            raise ValueError(f"rotation must be [H_kv={h}, D, D] with D={head_dim}, got {tuple(rotation.shape)}")
+            raise ValueError(
+                f"rotation must be [H_kv={h}, D, D] with D={head_dim}, got {tuple(rotation.shape)}"
+            )
         self.scale, self.zero = scale, zero
         self.rotation = None if rotation is None else rotation.float()
         self.outliers = outliers
@@ -627,5 +665,7 @@ def blockwise_attention_forward(
         scaling = module.scaling
     if block_size is None:
         block_size = int(os.environ.get("KVBENCH_BLOCK_SIZE", DEFAULT_BLOCK_SIZE))
-    out = blockwise_attention(query, keys, values, scaling, block_size, exact_keys, exact_values, attention_mask)
+    out = blockwise_attention(
+        query, keys, values, scaling, block_size, exact_keys, exact_values, attention_mask
+    )
     return out, None

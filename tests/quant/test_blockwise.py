@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from kvbench.cache.quantized import QuantizedTokens
 from kvbench.quant.blockwise import (
@@ -59,7 +62,9 @@ def _nuq(kind: str, x: torch.Tensor) -> tuple[TokenSource, torch.Tensor]:
     levels = 8
     b, h, t, d = x.shape
     if kind == "nuq-channel":  # fixed calibrated per-channel ranges [1, H, 1, D]
-        scale, zero = scale_zero(x.amin(dim=(0, 2), keepdim=True) * 0.8, x.amax(dim=(0, 2), keepdim=True) * 0.8)
+        scale, zero = scale_zero(
+            x.amin(dim=(0, 2), keepdim=True) * 0.8, x.amax(dim=(0, 2), keepdim=True) * 0.8
+        )
         mask = None
     else:  # per-token ranges with the largest-magnitude element of each token kept exactly
         mask = topk_outlier_mask(x, 0.02)
@@ -150,7 +155,9 @@ def test_block_operations_equal_matmuls_on_the_reconstruction(kind):
     q = torch.randn(B, H_KV, 6, D)
     for start, stop in [(0, 128), (32, 64), (7, 45)]:
         blk = ref[..., start:stop, :]
-        torch.testing.assert_close(src.scores(q, start, stop), q @ blk.transpose(-1, -2), rtol=RTOL, atol=1e-4)
+        torch.testing.assert_close(
+            src.scores(q, start, stop), q @ blk.transpose(-1, -2), rtol=RTOL, atol=1e-4
+        )
         p = torch.rand(B, H_KV, 6, stop - start)
         torch.testing.assert_close(src.mix(p, start, stop), p @ blk, rtol=RTOL, atol=1e-4)
 
@@ -178,7 +185,7 @@ LAYOUTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache(kind_k: str, kind_v: str, layout: str, seed: int = 0):
     """Sources of one layer's keys and values (sink | body | residual) and their dense parts; cached,
     since nothing here modifies them."""
@@ -189,7 +196,7 @@ def _cache(kind_k: str, kind_v: str, layout: str, seed: int = 0):
     k = torch.randn(B, H_KV, total, D, generator=g) * 1.5
     v = torch.randn(B, H_KV, total, D, generator=g)
     sources, dense = [], []
-    for x, kind, body, res in ((k, kind_k, kb, kr), (v, kind_v, vb, vr)):
+    for x, kind, body in ((k, kind_k, kb), (v, kind_v, vb)):
         parts = [FullPrecisionSource(x[..., :sink, :].half())]
         pieces = [x[..., :sink, :].half().float()]
         if body:
@@ -294,7 +301,9 @@ def test_forward_signature_matches_transformers():
     (keys, values), (k_parts, v_parts) = _cache("fp16", "fp16", "residual-partly-full")
     query = torch.randn(B, 3, 1, D)
     ek, ev = torch.randn(B, H_KV, 1, D), torch.randn(B, H_KV, 1, D)
-    out, weights = blockwise_attention_forward(Module(), query, keys, values, None, exact_keys=ek, exact_values=ev)
+    out, weights = blockwise_attention_forward(
+        Module(), query, keys, values, None, exact_keys=ek, exact_values=ev
+    )
     assert weights is None
     torch.testing.assert_close(out, _reference(query, k_parts, v_parts, ek, ev, 0.25), rtol=RTOL, atol=ATOL)
 
@@ -370,8 +379,59 @@ def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="nothing to attend"):
         blockwise_attention(q, None, None, 1.0)
     with pytest.raises(ValueError, match="bytes per token"):
-        PerTokenAffineSource(torch.zeros(1, 1, 2, 3, dtype=torch.uint8), *[torch.zeros(1, 1, 2, 2)] * 2, 4, 4, 8)
+        PerTokenAffineSource(
+            torch.zeros(1, 1, 2, 3, dtype=torch.uint8), *[torch.zeros(1, 1, 2, 2)] * 2, 4, 4, 8
+        )
     with pytest.raises(ValueError, match="scale has shape"):
-        PerChannelAffineSource(torch.zeros(1, 1, 4, 2, dtype=torch.uint8), *[torch.zeros(1, 1, 4, 8)] * 2, 4, 2, 8)
+        PerChannelAffineSource(
+            torch.zeros(1, 1, 4, 2, dtype=torch.uint8), *[torch.zeros(1, 1, 4, 8)] * 2, 4, 2, 8
+        )
     with pytest.raises(ValueError, match="codebook must be"):
         CodebookSource(torch.zeros(1, 1, 2, 2, dtype=torch.uint8), 4, 8, torch.zeros(3))
+
+
+# -- transient memory -----------------------------------------------------------------------------
+class _PeakBytes(TorchDispatchMode):
+    """Peak bytes of the storages that aten ops allocate inside the mode, until they are freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._counted: set[int] = set()
+
+    def _free(self, ptr, nbytes):
+        self._counted.discard(ptr)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        known = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if type(t) is torch.Tensor:
+                ptr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                if nbytes and ptr not in known and ptr not in self._counted:
+                    self._counted.add(ptr)
+                    self.live += nbytes
+                    weakref.finalize(t, self._free, ptr, nbytes)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def test_transient_memory_grows_with_the_block_not_the_cache():
+    peaks = {}
+    for n in (1024, 4096):
+        x = torch.randn(1, H_KV, n, D)
+        keys, _ = make_source("channel2", x)
+        values, _ = make_source("token2-fold", x)
+        query = torch.randn(1, 9, 1, D)
+        exact = torch.randn(1, H_KV, 1, D)
+        with _PeakBytes() as tracker:
+            blockwise_attention(query, keys, values, D**-0.5, 256, exact, exact)
+        peaks[n] = tracker.peak
+    dequantized = 2 * H_KV * 4096 * D * 4  # float32 K and V of the 4096-token cache
+    assert peaks[4096] < dequantized / 8
+    assert peaks[4096] <= 1.1 * peaks[1024]
