@@ -26,6 +26,8 @@ times one single-token append: ``torch.cat`` onto the store (kvbench's stores to
 
     PYTHONPATH=. python scripts/bench_blockwise.py [--threads 2] [--reps 21] [--lengths 1024 4096 8192]
     PYTHONPATH=. python scripts/bench_blockwise.py --threads 1 --clock thread   # steadier on a busy machine
+
+The measured tables, with a reading of them and a profile, are in ``results/bench_blockwise.md``.
 """
 
 from __future__ import annotations
@@ -257,6 +259,43 @@ def bench_append(lengths, reps: int) -> list[dict]:
     return rows
 
 
+def _key_block_scores(query, codes, scale, zero):
+    """One KIVI 2-bit key block fused by hand: shift the four codes out of each byte, apply the
+    per-channel affine map of each group of G tokens, and take the logits."""
+    b, h, n, _ = codes.shape
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=codes.device)
+    c = ((codes[..., None] >> shifts) & 3).reshape(b, h, n // G, G, D).float()
+    k = (c * scale.float()[:, :, :, None, :] + zero.float()[:, :, :, None, :]).reshape(b, h, n, D)
+    return query @ k.transpose(-1, -2)
+
+
+def compile_probe(block: int, reps: int, clock) -> None:
+    """Eager against ``torch.compile`` (inductor, static shapes) for one key block."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (1, H_KV, block, D // 4), dtype=torch.uint8, generator=g)
+    scale = torch.rand(1, H_KV, block // G, D, generator=g).half()
+    zero = torch.rand(1, H_KV, block // G, D, generator=g).half()
+    query = torch.randn(1, H_KV, N_REP, D, generator=g)
+    t0 = time.perf_counter()
+    compiled = torch.compile(_key_block_scores, dynamic=False)
+    compiled(query, codes, scale, zero)
+    compile_s = time.perf_counter() - t0
+    eager = _key_block_scores(query, codes, scale, zero)
+    torch.testing.assert_close(compiled(query, codes, scale, zero), eager)
+    times = {"eager": [], "compiled": []}
+    for _ in range(reps):
+        for label in random.sample(list(times), 2):
+            fn = compiled if label == "compiled" else _key_block_scores
+            t0 = clock()
+            fn(query, codes, scale, zero)
+            times[label].append(clock() - t0)
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    print(
+        f"torch.compile probe, {block}-token key block: compile {compile_s:.0f} s, "
+        f"eager {med['eager']:.3f} ms, compiled {med['compiled']:.3f} ms"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -272,6 +311,9 @@ def main() -> None:
         "ignores time spent descheduled on a loaded machine but counts only one thread's work, so use "
         "it with --threads 1",
     )
+    parser.add_argument(
+        "--compile-probe", action="store_true", help="only time torch.compile on one key block, then exit"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -280,6 +322,9 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, "
         f"block_size {args.block_size}, reps {args.reps}"
     )
+    if args.compile_probe:
+        compile_probe(args.block_size, max(args.reps, 50), clock)
+        return
     print()
     print("| tokens | contender | median ms | vs sdpa fp32 | vs DynamicCache | peak transient KiB |")
     print("|---:|---|---:|---:|---:|---:|")

@@ -26,8 +26,19 @@ sources may fold their parameters into the small side instead of dequantizing th
   ``sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t z_t``.
 
 Both are exact identities; in float32 they reassociate sums, so outputs differ from the
-dequantize-then-matmul path by rounding only. Which path a source takes is chosen by ``fold``
-(default: the one measured faster on CPU, see ``scripts/bench_blockwise.py``).
+dequantize-then-matmul path by rounding only. Which path a source takes is chosen by ``fold``;
+the defaults are the ones measured faster on CPU (``scripts/bench_blockwise.py``,
+``results/bench_blockwise.md``): values fold (one small matmul per channel group on the float code
+values, no affine pass over the block), keys do not (folding needs one tiny matmul per group of G
+tokens, slower than one affine pass and one matmul). Affine codes are decoded through a 256-row
+byte table into uint8 and the affine map promotes them to float32 in the same pass.
+
+``torch.compile`` (inductor, CPU) of a hand-fused key block (shift out the codes, affine map,
+logits) took about a minute to compile and ran within the noise of eager on this machine, so the
+eager path is the only one kept (``scripts/bench_blockwise.py --compile-probe`` repeats the probe).
+
+ReadKV's query-adaptive prefix reads depend on the query and on attention weights over all stored
+tokens, so they are not a static source; its stores read in full are the affine sources here.
 
 Codebook sources (KVQuant's nuq, TurboQuant's Lloyd-Max codes) look every byte up in a table that
 turns it into the codebook values it holds; TurboQuant's codes live in a rotated space ``y = Pi x``,
