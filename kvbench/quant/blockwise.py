@@ -222,7 +222,7 @@ class _PackedSource(BlockSource):
         packed = self.codes[..., start:stop, :]
         if self.float_lookup is None:
             return unpack(packed, self.levels, self.head_dim).float()
-        return decode_codes(packed, self.levels, self.head_dim, self.float_lookup, self.float_lookup)
+        return decode_codes(packed, self.levels, self.head_dim, self.float_lookup)
 
 
 class PerTokenAffineSource(_PackedSource):
