@@ -1,0 +1,150 @@
+"""Preallocated token buffers that grow by doubling, so that appending costs O(new tokens).
+
+A :class:`GrowableTokens` holds ``[B, H_kv, capacity, X]`` (any dtype; X is the head dim for
+full-precision tokens, the packed byte count for codes, the group count for per-token scales) and
+uses rows ``[start, start + n)`` of the token axis. An append writes into the free rows after the
+used ones; only when none are left is a buffer of twice the capacity allocated (or, when at most
+half of it is in use because :meth:`pop_front` freed the front, the used rows are moved down
+instead). Over N single-token appends the buffer is therefore reallocated O(log N) times and each
+token is copied O(1) times on average, instead of the O(N) copies per append of ``torch.cat``.
+
+Grouped token axes (``tokens_per_row = G``): per-channel key statistics ``[B, H_kv, T // G, D]``
+hold one row per completed group of G tokens; the buffer counts rows, and :attr:`num_tokens`
+reports ``rows * G``.
+
+Accounting: :meth:`view` and :meth:`bytes_in_use` cover the used rows only (what a method holds);
+:meth:`bytes_reserved` is the whole allocation, reported separately and never added to a method's
+memory figures.
+
+Views returned by :meth:`view` alias the buffer: they stay valid across appends that do not
+reallocate, but a reallocation or a move-down after :meth:`pop_front` leaves an older view pointing
+at stale or moved rows. Take a fresh view after every append or pop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MIN_CAPACITY = 16
+
+
+class GrowableTokens:
+    """A ``[B, H_kv, T, X]`` tensor held in a doubling buffer along the token axis (dim -2).
+
+    Args:
+        dtype: storage dtype; appended tensors are cast to it. None keeps the first append's dtype.
+        tokens_per_row: G for a grouped token axis (one row per G tokens), 1 otherwise.
+        min_capacity: rows of the first allocation, at least (then the next power of two that fits).
+    """
+
+    def __init__(
+        self, dtype: torch.dtype | None = None, tokens_per_row: int = 1, min_capacity: int = MIN_CAPACITY
+    ):
+        if isinstance(tokens_per_row, bool) or not isinstance(tokens_per_row, int) or tokens_per_row < 1:
+            raise ValueError(f"tokens_per_row must be a positive int, got {tokens_per_row!r}")
+        if isinstance(min_capacity, bool) or not isinstance(min_capacity, int) or min_capacity < 1:
+            raise ValueError(f"min_capacity must be a positive int, got {min_capacity!r}")
+        self.dtype = dtype
+        self.tokens_per_row = tokens_per_row
+        self.min_capacity = min_capacity
+        self.buffer: torch.Tensor | None = None  # [B, H_kv, capacity, X]
+        self.start = 0  # first used row
+        self.rows = 0  # used rows
+        self.reallocations = 0  # fresh allocations, the first one included
+        self.moves = 0  # move-downs of the used rows inside the same allocation
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buffer is None else self.buffer.shape[-2]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows * self.tokens_per_row
+
+    def __len__(self) -> int:
+        """Used rows (tokens when ``tokens_per_row == 1``)."""
+        return self.rows
+
+    def bytes_in_use(self) -> int:
+        if self.buffer is None:
+            return 0
+        b, h, _, x = self.buffer.shape
+        return b * h * self.rows * x * self.buffer.element_size()
+
+    def bytes_reserved(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
+
+    # -- reads --------------------------------------------------------------------------------
+    def view(self) -> torch.Tensor | None:
+        """The used rows ``[B, H_kv, n, X]`` (a view of the buffer), None before the first append."""
+        if self.buffer is None:
+            return None
+        return self.buffer[..., self.start : self.start + self.rows, :]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What is held, for accounting: the used rows only (empty list when nothing is used)."""
+        return [self.view()] if self.rows else []
+
+    # -- writes -------------------------------------------------------------------------------
+    def append(self, x: torch.Tensor) -> None:
+        """Write ``x [B, H_kv, t, X]`` (t rows) after the used rows."""
+        t = x.shape[-2]
+        if self.buffer is None:
+            dtype = self.dtype if self.dtype is not None else x.dtype
+            self.dtype = dtype
+            capacity = max(self.min_capacity, _next_power_of_two(t))
+            self.buffer = torch.empty(*x.shape[:-2], capacity, x.shape[-1], dtype=dtype, device=x.device)
+            self.reallocations += 1
+        elif x.shape[:-2] != self.buffer.shape[:-2] or x.shape[-1] != self.buffer.shape[-1]:
+            raise ValueError(
+                f"appended tensor {tuple(x.shape)} does not match the buffer "
+                f"{tuple(self.buffer.shape[:-2])} + [t, {self.buffer.shape[-1]}]"
+            )
+        if t == 0:
+            return
+        if self.start + self.rows + t > self.capacity:
+            self._make_room(t)
+        end = self.start + self.rows
+        self.buffer[..., end : end + t, :].copy_(x)
+        self.rows += t
+
+    def pop_front(self, n: int) -> torch.Tensor:
+        """Remove the oldest ``n`` rows and return them as a new tensor (a copy, so that later appends
+        cannot overwrite it). With a grouped axis ``n`` counts rows, not tokens."""
+        if not 0 <= n <= self.rows:
+            raise ValueError(f"pop_front(n={n}) with {self.rows} rows in use")
+        if self.buffer is None:
+            raise ValueError("pop_front on an empty buffer")
+        front = self.buffer[..., self.start : self.start + n, :].clone()
+        self.start += n
+        self.rows -= n
+        if self.rows == 0:
+            self.start = 0
+        return front
+
+    def _make_room(self, t: int) -> None:
+        needed = self.rows + t
+        if self.start and needed <= self.capacity and self.rows <= self.capacity // 2:
+            # The front freed by pop_front is enough, and at most half of the buffer is in use, so
+            # the move is paid for by the appends since the last one (a residual window's steady
+            # state). clone() because source and destination overlap.
+            self.buffer[..., : self.rows, :].copy_(self.view().clone())
+            self.start = 0
+            self.moves += 1
+            return
+        capacity = max(self.capacity * 2, _next_power_of_two(needed))
+        fresh = torch.empty(
+            *self.buffer.shape[:-2],
+            capacity,
+            self.buffer.shape[-1],
+            dtype=self.dtype,
+            device=self.buffer.device,
+        )
+        fresh[..., : self.rows, :].copy_(self.view())
+        self.buffer, self.start = fresh, 0
+        self.reallocations += 1
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
