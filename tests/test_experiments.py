@@ -112,7 +112,8 @@ def test_arms_inherit_their_method_node_and_override_knobs():
     assert cfg["method"]["name"] == "uniform"
     assert (cfg["method"]["key_axis"], cfg["method"]["value_axis"]) == ("token", "channel")
     assert cfg["method"]["zero_point"] == "minmax"  # inherited from conf/method/uniform.yaml
-    assert cfg["method"]["bits"] == cfg["bits"] == 2
+    assert "bits" not in cfg["method"]  # an arm needs no bits line: the run fills the knob
+    assert run_config(cfg)["method"]["bits"] == cfg["bits"] == 2
 
 
 # --- missing methods and tasks ------------------------------------------------------------------

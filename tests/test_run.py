@@ -7,6 +7,7 @@ import pytest
 from kvbench import run as run_module
 from kvbench.methods import METHODS
 from kvbench.models import model_node
+from kvbench.paths import CONF_DIR
 from kvbench.results import RunFolder, run_id
 from kvbench.tasks.niah import NIAH
 
@@ -157,13 +158,12 @@ def test_a_folder_without_results_is_discarded_with_its_empty_parents(tmp_path):
 
 def composed(*overrides: str) -> dict:
     """The CLI's config for ``overrides``, composed from conf/ as ``python -m kvbench`` does."""
-    from pathlib import Path
 
     from hydra import compose, initialize_config_dir
 
     from kvbench.config import to_plain
 
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    conf = str(CONF_DIR)
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         return to_plain(compose("config", overrides=list(overrides)))
 

@@ -201,7 +201,7 @@ def test_defaults(data_root):
         64,
         4,
         1,
-        1,
+        2,
     )
 
 
