@@ -36,17 +36,15 @@ import argparse
 import random
 import statistics
 import time
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.growable import GrowableTokens
 from kvbench.cache.layer import cat_tokens
 from kvbench.cache.quantized import QuantizedTokens
+from kvbench.cache.transient import PeakTransient
 from kvbench.quant.blockwise import (
     CodebookSource,
     ConcatSource,
@@ -60,41 +58,6 @@ from kvbench.quant.packing import pack, unpack
 
 H_KV, N_REP, D, G = 3, 3, 64, 32
 VALUE_RESIDUAL, KEY_RESIDUAL = 128, 64
-
-
-class PeakTransient(TorchDispatchMode):
-    """Largest number of bytes held at once by storages that aten ops allocate inside the mode.
-
-    A storage is counted when an op first returns it (views and in-place results share an input's
-    storage and add nothing) and released when the last tensor returned on it is garbage collected.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._counted: set[int] = set()
-
-    def _free(self, ptr: int, nbytes: int) -> None:
-        self._counted.discard(ptr)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        known = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
-        for t in tree_flatten(out)[0]:
-            if type(t) is torch.Tensor:
-                storage = t.untyped_storage()
-                ptr, nbytes = storage.data_ptr(), storage.nbytes()
-                if nbytes and ptr not in known and ptr not in self._counted:
-                    self._counted.add(ptr)
-                    self.live += nbytes
-                    weakref.finalize(t, self._free, ptr, nbytes)
-        self.peak = max(self.peak, self.live)
-        return out
 
 
 class _Attn(torch.nn.Module):

@@ -35,17 +35,15 @@ import platform
 import statistics
 import sys
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from transformers import DynamicCache, QuantizedCache
 
 from kvbench.builder import LoadedModel, load_for_methods
 from kvbench.cache import memory_report
+from kvbench.cache.transient import PeakTransient
 from kvbench.data import resolve_data_root
 from kvbench.errors import ConfigError
 from kvbench.generate import ModelRunner
@@ -91,39 +89,6 @@ def tensor_bytes(obj) -> int:
 
 def peer_bytes(cache) -> int:
     return sum(tensor_bytes(v) for layer in cache.layers for v in vars(layer).values())
-
-
-class PeakLive(TorchDispatchMode):
-    """Peak bytes held at once by tensors that aten ops create while the mode is active. Storage
-    is counted once and released when the tensor that brought it dies; an output that shares an
-    input's storage (a view, an in-place op) brings nothing new."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def _release(self, ptr: int, nbytes: int) -> None:
-        self._seen.discard(ptr)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
-        for t in tree_flatten(out)[0]:
-            if type(t) is torch.Tensor and t.device.type != "meta":
-                storage = t.untyped_storage()
-                ptr, nbytes = storage.data_ptr(), storage.nbytes()
-                if nbytes and ptr not in self._seen and ptr not in inputs:
-                    self._seen.add(ptr)
-                    self.live += nbytes
-                    weakref.finalize(t, self._release, ptr, nbytes)
-        self.peak = max(self.peak, self.live)
-        return out
 
 
 @dataclasses.dataclass
@@ -199,7 +164,7 @@ def bench_context(loaded: LoadedModel, n: int, labels: list[str], steps: int, wa
         peaks = {}
         for c in contenders:
             gc.collect()
-            with PeakLive() as tracker:
+            with PeakTransient() as tracker:
                 c.step(torch.tensor([[tokens[-1]]]))
             peaks[c.label] = tracker.peak
     by_label = {c.label: statistics.median(c.times) for c in contenders}

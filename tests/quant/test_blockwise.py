@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from kvbench.cache.quantized import QuantizedTokens
+from kvbench.cache.transient import PeakTransient
 from kvbench.quant.blockwise import (
     CodebookSource,
     ConcatSource,
@@ -391,36 +389,6 @@ def test_bad_input_names_the_problem():
 
 
 # -- transient memory -----------------------------------------------------------------------------
-class _PeakBytes(TorchDispatchMode):
-    """Peak bytes of the storages that aten ops allocate inside the mode, until they are freed."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._counted: set[int] = set()
-
-    def _free(self, ptr, nbytes):
-        self._counted.discard(ptr)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        known = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
-        for t in tree_flatten(out)[0]:
-            if type(t) is torch.Tensor:
-                ptr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-                if nbytes and ptr not in known and ptr not in self._counted:
-                    self._counted.add(ptr)
-                    self.live += nbytes
-                    weakref.finalize(t, self._free, ptr, nbytes)
-        self.peak = max(self.peak, self.live)
-        return out
-
-
 def test_transient_memory_grows_with_the_block_not_the_cache():
     peaks = {}
     for n in (1024, 4096):
@@ -429,7 +397,7 @@ def test_transient_memory_grows_with_the_block_not_the_cache():
         values, _ = make_source("token2-fold", x)
         query = torch.randn(1, 9, 1, D)
         exact = torch.randn(1, H_KV, 1, D)
-        with _PeakBytes() as tracker:
+        with PeakTransient() as tracker:
             blockwise_attention(query, keys, values, D**-0.5, 256, exact, exact)
         peaks[n] = tracker.peak
     dequantized = 2 * H_KV * 4096 * D * 4  # float32 K and V of the 4096-token cache
