@@ -5,9 +5,10 @@ Two kinds of capture, one module:
 
 - :func:`capture_attention`: inside the ``with`` block, every attention call that goes through the
   ``kvbench`` attention implementation (:mod:`kvbench.cache.attention`) is recorded per layer as an
-  :class:`AttentionRecord`: the post-RoPE ``query [B, H, q, D]`` and the ``keys``/``values
-  [B, H_kv, k, D]`` the attention reads (what the cache update returned; with no kvbench cache, the
-  forward's own states), and the logit ``scaling``. A layer called several times keeps its last
+  :class:`AttentionRecord`: the post-RoPE ``query [B, H, q, D]``, the ``keys``/``values
+  [B, H_kv, k, D]`` the cache update returned (a layer that attends its stored tokens from packed
+  storage returns only the forward's own tokens; with no kvbench cache, the forward's own states),
+  and the logit ``scaling``. A layer called several times keeps its last
   call. It works with any method's cache and with plain cache-less forwards alike.
 - :class:`OutputCapture`: forward hooks on a list of modules (decoder layers, projections) that keep,
   per module index, what ``reduce(inputs, kwargs, output)`` makes of each call (e.g. a norm of the

@@ -5,7 +5,11 @@ Reconstruction: ``x_hat = c[q] * scale + zero`` (:mod:`kvbench.quant.nuq`) with 
 by their fp16 values. Held (``held_tensors``): ``codes`` (packed codebook indices,
 :mod:`kvbench.quant.packing`), ``scales``/``zeros`` (fp16: per token for online ranges, per
 (head, channel) for fixed ones), ``sparse`` (int32 token index, int16 (or int32) index of
-(batch, head, channel), fp16 value).
+(batch, head, channel), fp16 value; entries ordered by token).
+
+Every part lives in a doubling buffer (:class:`~kvbench.cache.growable.GrowableTokens`), so an
+append costs O(new tokens); :meth:`DenseSparseTokens.source` reads the store block by block for
+attention, outliers included (:class:`~kvbench.quant.blockwise.CodebookSource`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import math
 
 import torch
 
+from kvbench.cache.growable import GrowableTokens
+from kvbench.quant.blockwise import CodebookSource
 from kvbench.quant.nuq import (
     key_outliers,
     masked_range,
@@ -34,12 +40,13 @@ class DenseSparseTokens:
         self.levels, self.fraction = levels, fraction
         self.codebook = codebook.half()  # what is held
         self.channel_range = channel_range
-        self.codes: torch.Tensor | None = None
-        self.scale: torch.Tensor | None = None  # per-token ranges (values)
-        self.zero: torch.Tensor | None = None
-        self.rows: list[torch.Tensor] = []
-        self.cols: list[torch.Tensor] = []
-        self.vals: list[torch.Tensor] = []
+        self._codes = GrowableTokens(torch.uint8)
+        self._scale = GrowableTokens()  # per-token ranges (values)
+        self._zero = GrowableTokens()
+        # sparse entries, one [1, 1, n, 1] buffer each, in token order
+        self._rows = GrowableTokens(torch.int32)
+        self._cols = GrowableTokens()
+        self._vals = GrowableTokens(torch.float16)
         self.num_tokens = 0
         self.shape: tuple[int, int, int] = (0, 0, 0)  # B, H, D
 
@@ -55,17 +62,59 @@ class DenseSparseTokens:
         else:
             mask = topk_outlier_mask(x, self.fraction) if self.fraction > 0 else None
             scale, zero = scale_zero(*masked_range(x, mask))
-            self.scale = scale if self.scale is None else torch.cat([self.scale, scale], dim=-2)
-            self.zero = zero if self.zero is None else torch.cat([self.zero, zero], dim=-2)
+            self._scale.append(scale)
+            self._zero.append(zero)
         codes = pack(nearest_code(normalize(x, scale, zero), self.codebook.float().to(x.device)), self.levels)
-        self.codes = codes if self.codes is None else torch.cat([self.codes, codes], dim=-2)
+        self._codes.append(codes)
         if mask is not None and bool(mask.any()):
             ib, ih, it, id_ = mask.nonzero(as_tuple=True)
+            vals = x[mask]
+            order = torch.sort(it, stable=True).indices  # token order, so that reads find a range
+            ib, ih, it, id_, vals = ib[order], ih[order], it[order], id_[order], vals[order]
             col_dtype = torch.int16 if b * h * d <= torch.iinfo(torch.int16).max else torch.int32
-            self.rows.append((it + self.num_tokens).to(torch.int32))
-            self.cols.append(((ib * h + ih) * d + id_).to(col_dtype))
-            self.vals.append(x[mask].half())
+            self._rows.append((it + self.num_tokens).to(torch.int32).view(1, 1, -1, 1))
+            self._cols.append(((ib * h + ih) * d + id_).to(col_dtype).view(1, 1, -1, 1))
+            self._vals.append(vals.half().view(1, 1, -1, 1))
         self.num_tokens += t
+
+    @property
+    def codes(self) -> torch.Tensor | None:
+        return self._codes.view() if self.num_tokens else None
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        return self._scale.view() if len(self._scale) else None
+
+    @property
+    def zero(self) -> torch.Tensor | None:
+        return self._zero.view() if len(self._zero) else None
+
+    def sparse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(rows, cols, vals)`` 1-d views in token order (rows: token index, cols: flat
+        ``(b * H_kv + h) * D + d``), None without outliers."""
+        if not len(self._rows):
+            return None
+        return tuple(buf.view().reshape(-1) for buf in (self._rows, self._cols, self._vals))
+
+    def _range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, zero)`` broadcastable to ``[B, H_kv, T, D]``."""
+        if self.channel_range is not None:
+            device = self._codes.buffer.device
+            return tuple(p.to(device)[None, :, None, :] for p in self.channel_range)
+        return self.scale, self.zero
+
+    def source(self) -> CodebookSource | None:
+        """The store as a block source (None while empty)."""
+        if not self.num_tokens:
+            return None
+        scale, zero = self._range()
+        return CodebookSource(
+            self.codes, self.levels, self.shape[2], self.codebook, scale, zero, outliers=self.sparse()
+        )
+
+    def bytes_reserved(self) -> int:
+        parts = (self._codes, self._scale, self._zero, self._rows, self._cols, self._vals)
+        return sum(p.bytes_reserved() for p in parts)
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[B, H_kv, T, D]``."""
@@ -76,23 +125,25 @@ class DenseSparseTokens:
         else:
             scale, zero = self.scale.float(), self.zero.float()
         x = self.codebook.float().to(codes.device)[codes] * scale + zero
-        if self.rows:
-            rows = torch.cat(self.rows).long()
-            cols = torch.cat(self.cols).long()
+        sparse = self.sparse()
+        if sparse is not None:
+            rows, cols, vals = sparse
+            rows, cols = rows.long(), cols.long()
             flat = ((cols // d) * self.num_tokens + rows) * d + cols % d
-            x.view(-1)[flat] = torch.cat(self.vals).float()
+            x.view(-1)[flat] = vals.float()
         return x
 
     def __len__(self) -> int:
         return self.num_tokens
 
     def num_outliers(self) -> int:
-        return sum(v.numel() for v in self.vals)
+        return len(self._vals)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        if self.codes is None:
+        if not self.num_tokens:
             return {}
-        held = {"codes": [self.codes], "sparse": self.rows + self.cols + self.vals}
+        sparse = self.sparse()
+        held = {"codes": [self.codes], "sparse": [] if sparse is None else list(sparse)}
         if self.channel_range is not None:
             held["scales"], held["zeros"] = [self.channel_range[0]], [self.channel_range[1]]
         else:

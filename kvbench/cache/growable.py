@@ -4,9 +4,10 @@ A :class:`GrowableTokens` holds ``[B, H_kv, capacity, X]`` (any dtype; X is the 
 full-precision tokens, the packed byte count for codes, the group count for per-token scales) and
 uses rows ``[start, start + n)`` of the token axis. An append writes into the free rows after the
 used ones; only when none are left is a buffer of twice the capacity allocated (or, when at most
-half of it is in use because :meth:`pop_front` freed the front, the used rows are moved down
-instead). Over N single-token appends the buffer is therefore reallocated O(log N) times and each
-token is copied O(1) times on average, instead of the O(N) copies per append of ``torch.cat``.
+half of it is in use because :meth:`pop_front` freed the front, the used rows are copied to the
+front of a fresh buffer of the same capacity instead). Over N single-token appends the buffer is
+therefore reallocated O(log N) times and each token is copied O(1) times on average, instead of
+the O(N) copies per append of ``torch.cat``.
 
 Grouped token axes (``tokens_per_row = G``): per-channel key statistics ``[B, H_kv, T // G, D]``
 hold one row per completed group of G tokens; the buffer counts rows, and :attr:`num_tokens`
@@ -16,9 +17,12 @@ Accounting: :meth:`view` and :meth:`bytes_in_use` cover the used rows only (what
 :meth:`bytes_reserved` is the whole allocation, reported separately and never added to a method's
 memory figures.
 
-Views returned by :meth:`view` alias the buffer: they stay valid across appends that do not
-reallocate, but a reallocation or a move-down after :meth:`pop_front` leaves an older view pointing
-at stale or moved rows. Take a fresh view after every append or pop.
+Views returned by :meth:`view` alias the buffer, and rows once written are never overwritten in
+place: an append writes past the used rows, :meth:`pop_front` only moves the start, and making
+room (growing, or compacting after pops) copies the used rows into a fresh allocation. So a view
+taken before an append or a pop still holds exactly the rows it held (a layer takes views of its
+stores before this forward's tokens are appended and attends them afterwards); it keeps an old
+allocation alive until it is dropped. Take a fresh view to see new rows.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class GrowableTokens:
         self.start = 0  # first used row
         self.rows = 0  # used rows
         self.reallocations = 0  # fresh allocations, the first one included
-        self.moves = 0  # move-downs of the used rows inside the same allocation
+        self.moves = 0  # compactions after pop_front into a fresh buffer of the same capacity
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -110,27 +114,27 @@ class GrowableTokens:
         self.rows += t
 
     def pop_front(self, n: int) -> torch.Tensor:
-        """Remove the oldest ``n`` rows and return them as a new tensor (a copy, so that later appends
-        cannot overwrite it). With a grouped axis ``n`` counts rows, not tokens."""
+        """Remove the oldest ``n`` rows and return them (a view: popped rows are never overwritten).
+        With a grouped axis ``n`` counts rows, not tokens."""
         if not 0 <= n <= self.rows:
             raise ValueError(f"pop_front(n={n}) with {self.rows} rows in use")
         if self.buffer is None:
             raise ValueError("pop_front on an empty buffer")
-        front = self.buffer[..., self.start : self.start + n, :].clone()
+        front = self.buffer[..., self.start : self.start + n, :]
         self.start += n
         self.rows -= n
-        if self.rows == 0:
-            self.start = 0
         return front
 
     def _make_room(self, t: int) -> None:
         needed = self.rows + t
         if self.start and needed <= self.capacity and self.rows <= self.capacity // 2:
             # The front freed by pop_front is enough, and at most half of the buffer is in use, so
-            # the move is paid for by the appends since the last one (a residual window's steady
-            # state). clone() because source and destination overlap.
-            self.buffer[..., : self.rows, :].copy_(self.view().clone())
-            self.start = 0
+            # compacting is paid for by the appends since the last one (a residual window's steady
+            # state). Into a fresh buffer of the same capacity, never in place: views taken before
+            # this append must keep their rows.
+            fresh = torch.empty_like(self.buffer)
+            fresh[..., : self.rows, :].copy_(self.view())
+            self.buffer, self.start = fresh, 0
             self.moves += 1
             return
         capacity = max(self.capacity * 2, _next_power_of_two(needed))

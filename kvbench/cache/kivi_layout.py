@@ -76,7 +76,8 @@ class KIVILayout(CompositeLayer):
         if self.backend != "triton" or key_states.shape[-2] > 2 or not self.num_tokens:
             self._before = None
             return super().update(key_states, value_states, *args, **kwargs)
-        # Stores are replaced, never modified in place, on append: these references stay valid.
+        # Views of storage that appends never overwrite: these references stay valid.
+        self._pending = None
         self._before = (
             PackedKV.from_store(self.kq),
             self.k_res.data,

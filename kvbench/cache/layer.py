@@ -1,23 +1,79 @@
 """Per-layer KV storage on transformers' Cache API.
 
 A :class:`KVLayer` is one transformer layer's cache. Subclasses say how tokens are stored
-(:meth:`append`), how they are read back (:meth:`read`) and which tensors they hold
-(:meth:`held_tensors`); the base class does the bookkeeping every method shares.
+(:meth:`append`), which tensors they hold (:meth:`held_tensors`) and how the stored tokens are
+attended: :meth:`stored` hands them out as block sources (:mod:`kvbench.quant.blockwise`) that
+read the packed storage a block at a time; :meth:`read`, the whole store reconstructed, is the
+reference those sources are tested against and the fallback of a layer without sources.
 
 Read rule (DESIGN.md, "Real storage, honest bits"): the tokens of the current forward are attended
 in the full precision the model just computed; everything stored by earlier forwards is read from
 storage. In prefill this means attention uses the exact keys and values and only what is kept is
 quantized; in decode the new token sees itself exactly and every earlier token through the cache.
 This is also KIVI's order (attend, then push the new token into the residual and quantize).
+
+Decode path: :meth:`KVLayer.update` takes the layer's sources *before* appending this forward's
+tokens (sources are views of storage that appends never overwrite), appends, and returns only the
+forward's own tokens; :meth:`KVLayer.attend` then runs blockwise attention over the sources plus the
+exact tokens, merging blocks with an online softmax. No full-precision copy of the cache is made:
+the transient memory of a step is O(block), and an append is O(new tokens) (doubling buffers,
+:mod:`kvbench.cache.growable`). With nothing stored yet (a prefill) the exact tokens go to SDPA.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvbench.quant.blockwise import ConcatSource, LogitObserver, TokenSource, blockwise_attention_forward
+
+
+@dataclass
+class StoredTokens:
+    """What a layer has stored, ready to attend: ``keys``/``values`` sources of T entries and, when
+    a kv head's entries are not in sequence order, their positions (``[B, H_kv, T]`` int64, -1 for
+    an entry never attended; see :func:`~kvbench.quant.blockwise.blockwise_attention`)."""
+
+    keys: TokenSource
+    values: TokenSource
+    positions: torch.Tensor | None = None
+
+    @property
+    def num_entries(self) -> int:
+        return self.keys.num_tokens
+
+
+def concat_stored(parts: list[StoredTokens | None], lengths: list[int] | None = None) -> StoredTokens | None:
+    """Parts one after the other (a sink, then a method's store). ``lengths``: the sequence length
+    each part covers, needed only when some part carries positions (later parts' positions are
+    shifted by the earlier lengths; a part without positions holds its tokens in order). None when
+    every part is empty."""
+    keep = [(i, p) for i, p in enumerate(parts) if p is not None and p.num_entries]
+    if not keep:
+        return None
+    if len(keep) == 1 and keep[0][1].positions is None:
+        return keep[0][1]
+    keys = ConcatSource([p.keys for _, p in keep])
+    values = ConcatSource([p.values for _, p in keep])
+    with_pos = [p.positions for _, p in keep if p.positions is not None]
+    if not with_pos:
+        return StoredTokens(keys, values)
+    if lengths is None:
+        raise ValueError("concat_stored needs the parts' sequence lengths when positions are involved")
+    b, h = with_pos[0].shape[:2]
+    device = with_pos[0].device
+    offsets = [sum(lengths[:i]) for i in range(len(parts))]
+    pos = []
+    for i, p in keep:
+        own = p.positions
+        if own is None:
+            own = torch.arange(p.num_entries, device=device).expand(b, h, p.num_entries)
+        pos.append(torch.where(own >= 0, own + offsets[i], own))
+    return StoredTokens(keys, values, torch.cat(pos, dim=-1))
 
 
 class KVLayer(CacheLayerMixin):
@@ -31,6 +87,7 @@ class KVLayer(CacheLayerMixin):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_tokens = 0
+        self._pending: StoredTokens | None = None  # what update() took for attend()
 
     # -- storage, implemented by each method -------------------------------------------------
     @abstractmethod
@@ -79,10 +136,24 @@ class KVLayer(CacheLayerMixin):
         self.batch_size, self.num_kv_heads, _, self.head_dim = key_states.shape
         self.is_initialized = True
 
+    def stored(self) -> StoredTokens | None:
+        """Everything stored, as block sources, or None when this layer has none (then
+        :meth:`update` reconstructs the cache with :meth:`read`, the slow path). Called before this
+        forward's tokens are appended; the sources must keep reading the same entries afterwards
+        (views of storage that appends never overwrite)."""
+        return None
+
+    def bytes_reserved(self) -> int:
+        """Bytes allocated for this layer's storage, spare capacity of its doubling buffers
+        included. Reported beside the held bytes, never in them. Default: what it holds."""
+        return sum(t.numel() * t.element_size() for ts in self.held_tensors().values() for t in ts)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.num_tokens:
+        self._pending = self.stored() if self.num_tokens else None
+        if self.num_tokens and self._pending is None:
+            # no sources: the reference path, the whole cache reconstructed
             past_k, past_v = self.read()
             keys = torch.cat([past_k.to(key_states.dtype), key_states], dim=-2)
             values = torch.cat([past_v.to(value_states.dtype), value_states], dim=-2)
@@ -93,10 +164,44 @@ class KVLayer(CacheLayerMixin):
         return keys, values
 
     def attend(self, module, query, keys, values, attention_mask, **kwargs):
-        """Attention for this layer. ``keys``/``values`` are what :meth:`update` returned. Methods that
-        compute attention over their own storage (outlier pools, top-k prefetch, score tracking)
-        override this; the default is transformers' SDPA path."""
-        return sdpa_attention_forward(module, query, keys, values, attention_mask, **kwargs)
+        """Attention for this layer. ``keys``/``values`` are what :meth:`update` returned: this
+        forward's tokens when the stored ones were taken as sources (then they are attended blockwise
+        from storage), else everything. Methods that choose what to attend (outlier pools, top-k
+        prefetch, query-adaptive reads, score tracking) override this."""
+        stored, self._pending = getattr(self, "_pending", None), None
+        if stored is None:
+            return sdpa_attention_forward(module, query, keys, values, attention_mask, **kwargs)
+        return self.attend_stored(module, query, stored, keys, values, attention_mask, **kwargs)
+
+    @staticmethod
+    def attend_stored(
+        module,
+        query: torch.Tensor,
+        stored: StoredTokens,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        observer: LogitObserver | None = None,
+        **kwargs,
+    ):
+        """Blockwise attention of ``query [B, H, q, D]`` over ``stored`` and the exact ``keys``/``values``
+        ``[B, H_kv, q, D]`` of this forward; returns ``(out [B, q, H, D], None)``."""
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+            raise ValueError(
+                "kvbench attention over stored tokens supports neither softcap nor attention sinks"
+            )
+        return blockwise_attention_forward(
+            module,
+            query,
+            stored.keys,
+            stored.values,
+            attention_mask,
+            scaling=kwargs.get("scaling"),
+            exact_keys=keys,
+            exact_values=values,
+            positions=stored.positions,
+            observer=observer,
+        )
 
     def get_seq_length(self) -> int:
         return self.num_tokens

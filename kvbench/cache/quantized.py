@@ -11,6 +11,11 @@ Layout (what is held, per block of tokens appended):
 - ``scale``, ``zero``: ``param_dtype`` (fp16 by default);
   ``[B, H_kv, T, D // G]`` for ``axis="token"`` (per-token statistics over groups of G channels),
   ``[B, H_kv, T // G, D]`` for ``axis="channel"`` (per-channel statistics over groups of G tokens).
+
+Each is held in a doubling buffer (:class:`~kvbench.cache.growable.GrowableTokens`), so an append
+costs O(new tokens); ``codes``/``scale``/``zero`` are views of the rows in use, and
+:meth:`QuantizedTokens.source` reads them block by block for attention
+(:mod:`kvbench.quant.blockwise`) without reconstructing the store.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import math
 
 import torch
 
+from kvbench.cache.growable import GrowableTokens
 from kvbench.quant.affine import dequantize_grouped, quantize_grouped
+from kvbench.quant.blockwise import PerChannelAffineSource, PerTokenAffineSource
 from kvbench.quant.packing import pack, unpack
 
 
@@ -38,9 +45,10 @@ class QuantizedTokens:
         self.levels, self.axis, self.group_size = levels, axis, group_size
         self.zero_point, self.param_dtype = zero_point, param_dtype
         self.backend = backend
-        self.codes: torch.Tensor | None = None
-        self.scale: torch.Tensor | None = None
-        self.zero: torch.Tensor | None = None
+        rows = group_size if axis == "channel" and group_size else 1
+        self._codes = GrowableTokens(torch.uint8)
+        self._scale = GrowableTokens(param_dtype, tokens_per_row=rows)
+        self._zero = GrowableTokens(param_dtype, tokens_per_row=rows)
         self.num_tokens = 0
         self.head_dim = 0
 
@@ -58,17 +66,41 @@ class QuantizedTokens:
         )
         packed = pack(codes, self.levels)
         self.head_dim = x.shape[-1]
-        if self.codes is None:
-            self.codes, self.scale, self.zero = packed, scale, zero
-        else:
-            self.codes = torch.cat([self.codes, packed], dim=-2)
-            self.scale = torch.cat([self.scale, scale], dim=-2)
-            self.zero = torch.cat([self.zero, zero], dim=-2)
+        self._codes.append(packed)
+        self._scale.append(scale)
+        self._zero.append(zero)
         self.num_tokens += x.shape[-2]
+
+    # views of the rows in use (None while empty)
+    @property
+    def codes(self) -> torch.Tensor | None:
+        return self._codes.view() if self.num_tokens else None
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        return self._scale.view() if self.num_tokens else None
+
+    @property
+    def zero(self) -> torch.Tensor | None:
+        return self._zero.view() if self.num_tokens else None
+
+    def source(self):
+        """The stored tokens as a block source (:mod:`kvbench.quant.blockwise`), None while empty.
+        Views, so it keeps reading what is stored now after later appends."""
+        if not self.num_tokens:
+            return None
+        if self.axis == "token":
+            return PerTokenAffineSource.from_store(self)
+        if self.group_size is None:
+            return None  # one group per append: no fixed group size (a uniform config rejects it)
+        return PerChannelAffineSource.from_store(self)
+
+    def bytes_reserved(self) -> int:
+        return sum(b.bytes_reserved() for b in (self._codes, self._scale, self._zero))
 
     def dequantize(self) -> torch.Tensor:
         """``float32 [B, H_kv, T, D]``; an empty store has no shape to give and raises."""
-        if self.codes is None:
+        if not self.num_tokens:
             raise RuntimeError("empty QuantizedTokens")
         if self.backend == "triton":
             from kvbench.kernels.quant_pack import unpack_dequantize
@@ -83,16 +115,15 @@ class QuantizedTokens:
         return self.num_tokens
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        if self.codes is None:
+        if not self.num_tokens:
             return {}
         return {"codes": [self.codes], "scales": [self.scale], "zeros": [self.zero]}
 
     def quantized_values(self) -> int:
-        return (
-            0
-            if self.codes is None
-            else self.codes.shape[0] * self.codes.shape[1] * self.num_tokens * self.head_dim
-        )
+        if not self.num_tokens:
+            return 0
+        codes = self.codes
+        return codes.shape[0] * codes.shape[1] * self.num_tokens * self.head_dim
 
     def nominal_code_bits(self) -> float:
         return self.quantized_values() * math.log2(self.levels)

@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from kvbench.cache.growable import GrowableTokens
+from kvbench.quant.blockwise import CodebookSource
 from kvbench.quant.lloyd_max import lloyd_max_codebook, quantize_scalar, random_rotation
 from kvbench.quant.packing import pack, unpack
 
@@ -58,8 +60,8 @@ class RotatedCodes:
     def __init__(self, levels: int, rotations: HeadRotations):
         self.levels, self.rotations = levels, rotations
         self.centroids: torch.Tensor | None = None
-        self.codes: torch.Tensor | None = None
-        self.norms: torch.Tensor | None = None
+        self._codes = GrowableTokens(torch.uint8)  # doubling buffers: appends cost O(new tokens)
+        self._norms = GrowableTokens(torch.float16)
         self.head_dim = 0
 
     def codebook(self, like: torch.Tensor) -> torch.Tensor:
@@ -80,11 +82,34 @@ class RotatedCodes:
         codes = pack(quantize_scalar(y, centroids), self.levels)
         norm = norm.clamp(max=FP16_MAX).to(torch.float16)
         self.head_dim = x.shape[-1]
-        if self.codes is None:
-            self.codes, self.norms = codes, norm
-        else:
-            self.codes = torch.cat([self.codes, codes], dim=-2)
-            self.norms = torch.cat([self.norms, norm], dim=-2)
+        self._codes.append(codes)
+        self._norms.append(norm)
+
+    @property
+    def codes(self) -> torch.Tensor | None:
+        """uint8 ``[B, H_kv, T, packed bytes]`` (a view of the rows in use), None while empty."""
+        return self._codes.view() if len(self._codes) else None
+
+    @property
+    def norms(self) -> torch.Tensor | None:
+        """fp16 ``[B, H_kv, T, 1]``, None while empty."""
+        return self._norms.view() if len(self._norms) else None
+
+    def source(self) -> CodebookSource | None:
+        """The stored tokens as a block source attended in the rotated space (None while empty)."""
+        if not len(self):
+            return None
+        return CodebookSource(
+            self.codes,
+            self.levels,
+            self.head_dim,
+            self.centroids,
+            scale=self.norms,
+            rotation=self.rotations.get(),
+        )
+
+    def bytes_reserved(self) -> int:
+        return self._codes.bytes_reserved() + self._norms.bytes_reserved()
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[B, H_kv, T, D]``: ||x|| * Pi^T c[q]."""
@@ -93,7 +118,7 @@ class RotatedCodes:
         return torch.einsum("bhte,hed->bhtd", c, self.rotations.get()) * self.norms.float()
 
     def __len__(self) -> int:
-        return 0 if self.codes is None else self.codes.shape[-2]
+        return len(self._codes)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         if self.codes is None:

@@ -1,7 +1,9 @@
 """Lossless leading tokens in front of any layer storage (IntactKV, KVQuant's attention sink).
 
 The first ``capacity`` tokens of the sequence are kept in full precision; every later token goes
-to the wrapped layer. Reading puts the sink tokens first, as they are in the sequence.
+to the wrapped layer, through its ``append``. Reading and attending put the sink tokens first, as
+they are in the sequence, followed by the wrapped layer's stored sources (a method's own attention
+path, if it has one, is not used behind a sink).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvbench.cache.fp import FullPrecisionTokens
-from kvbench.cache.layer import KVLayer, cat_tokens, merge_held
+from kvbench.cache.layer import KVLayer, StoredTokens, cat_tokens, concat_stored, merge_held
 
 
 class SinkLayer(KVLayer):
@@ -22,36 +24,28 @@ class SinkLayer(KVLayer):
         super().lazy_initialization(key_states, value_states)
         self.inner.lazy_initialization(key_states, value_states)
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        # The wrapped layer is driven through the generic read-then-append path, so any method
-        # composes; a method's own attention shortcut (fused kernels, pools) is bypassed here.
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        take = min(self.capacity - len(self.sink_k), key_states.shape[-2])
-        past_k, past_v = self.sink_k.data, self.sink_v.data
+    def append(self, keys, values):
+        take = min(self.capacity - len(self.sink_k), keys.shape[-2])
         if take:
-            self.sink_k.append(key_states[..., :take, :])
-            self.sink_v.append(value_states[..., :take, :])
-        rest_k, rest_v = key_states[..., take:, :], value_states[..., take:, :]
-        if rest_k.shape[-2]:
-            inner_k, inner_v = KVLayer.update(self.inner, rest_k, rest_v)
-        elif self.inner.num_tokens:
-            inner_k, inner_v = self.inner.read()
-        else:
-            inner_k = inner_v = None
-        self.num_tokens += key_states.shape[-2]
-        new_k = key_states[..., :take, :] if take else None
-        new_v = value_states[..., :take, :] if take else None
-        keys = cat_tokens(past_k, new_k, inner_k).to(key_states.dtype)
-        values = cat_tokens(past_v, new_v, inner_v).to(value_states.dtype)
-        return keys, values
+            self.sink_k.append(keys[..., :take, :])
+            self.sink_v.append(values[..., :take, :])
+        if keys.shape[-2] > take:
+            self.inner.append(keys[..., take:, :], values[..., take:, :])
+            self.inner.num_tokens += keys.shape[-2] - take
 
-    def append(self, keys, values):  # update() routes tokens itself
-        raise NotImplementedError
+    def stored(self) -> StoredTokens | None:
+        sink = StoredTokens(self.sink_k.source(), self.sink_v.source()) if len(self.sink_k) else None
+        inner = self.inner.stored() if self.inner.num_tokens else None
+        if self.inner.num_tokens and inner is None:
+            return None
+        return concat_stored([sink, inner], [len(self.sink_k), self.inner.num_tokens])
 
     def read(self):
         inner = self.inner.read() if self.inner.num_tokens else (None, None)
         return cat_tokens(self.sink_k.data, inner[0]), cat_tokens(self.sink_v.data, inner[1])
+
+    def bytes_reserved(self):
+        return self.inner.bytes_reserved() + self.sink_k.bytes_reserved() + self.sink_v.bytes_reserved()
 
     def held_tensors(self):
         sink = {"sink": self.sink_k.tensors() + self.sink_v.tensors()}

@@ -13,6 +13,7 @@ import torch
 
 from kvbench.cache import KVLayer
 from kvbench.cache.fp import FullPrecisionTokens
+from kvbench.cache.layer import StoredTokens
 from kvbench.methods.base import Method, MethodConfig, register_method
 
 
@@ -34,6 +35,12 @@ class FullPrecisionLayer(KVLayer):
 
     def read(self):
         return self.k.data, self.v.data
+
+    def stored(self):
+        return StoredTokens(self.k.source(), self.v.source())
+
+    def bytes_reserved(self):
+        return self.k.bytes_reserved() + self.v.bytes_reserved()
 
     def held_tensors(self):
         return {"fp": self.k.tensors() + self.v.tensors()}

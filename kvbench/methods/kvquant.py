@@ -48,10 +48,12 @@ import torch
 
 from kvbench.cache import KVLayer
 from kvbench.cache.dense_sparse import DenseSparseTokens
+from kvbench.cache.layer import StoredTokens
 from kvbench.config import check_choice, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, register_method
 from kvbench.methods.kvquant_calibration import LayerCalibration, calibrate, calibrate_layer
+from kvbench.quant.blockwise import RoPESource
 from kvbench.quant.rope import cos_sin, rotate
 
 DATATYPES = ("nuq", "uniform")
@@ -175,6 +177,19 @@ class KVQuantLayer(KVLayer):
             self._setup(k, values.float())
         self.kq.append(k)
         self.vq.append(values)
+
+    def stored(self) -> StoredTokens:
+        """Keys and values as codebook sources, outliers included; pre-RoPE keys are rotated to their
+        positions a block at a time as they are read."""
+        keys = self.kq.source()
+        if self.cfg.pre_rope:
+            like = torch.empty(0, self.kq.shape[2], device=keys.codes.device)  # device and head dim
+            self._cos_sin(0, self.num_tokens, like)  # grows the table over every stored position
+            keys = RoPESource(keys, self.theta, first_position=self.offset, table=self._table)
+        return StoredTokens(keys, self.vq.source())
+
+    def bytes_reserved(self):
+        return 0 if self.kq is None else self.kq.bytes_reserved() + self.vq.bytes_reserved()
 
     def read(self):
         k = self.kq.dequantize()

@@ -39,11 +39,14 @@ Outlier pool (Sec. 3 "Quantization", Appendix E), per (layer, kv head), capacity
 - the first ``skip_layers`` (2) layers have no pool (N = 0, Sec. 4 ablation "shallow layers");
 - N <= G, so the pool is full (N tokens in every head) after the first quantization step.
 
-Decoding (Sec. 3 "Decoding"): attention runs over three parts, the dequantized cache with the pool
-positions left out, the full-precision window (with the tokens of this forward, exact), and the
-outlier pools (full precision; keys are post-RoPE, so they already carry their original position),
-with one softmax across the three parts: softmax(q K^T * scale + mask) V. This equals attention
-over the same values placed at their positions, which is what :meth:`OTTLayer.read` returns.
+Decoding (Sec. 3 "Decoding"): attention runs over three parts, the quantized cache with the pool
+positions left out, the outlier pools (full precision; keys are post-RoPE, so they already carry
+their original position) and the full-precision window (then the tokens of this forward, exact),
+with one softmax across the three parts: softmax(q K^T * scale + mask) V. :meth:`OTTLayer.stored`
+hands the three parts to the blockwise attention of :mod:`kvbench.cache.layer` with each entry's
+sequence position (the pooled tokens' quantized entries hidden), so the codes are read a block at a
+time and never reconstructed whole. This equals attention over the same values placed at their
+positions, which is what :meth:`OTTLayer.read` returns (the reference it is tested against).
 
 Accounting: codes/scales/zeros of every quantized token (pool tokens' unread codes included),
 ``residual`` for the window, ``outliers`` for the pool and extra pool (fp keys and values, int32
@@ -53,19 +56,18 @@ positions) and the per-head tracing flags.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 
-from kvbench.cache import KVLayer
 from kvbench.cache.kivi_layout import KIVILayout
-from kvbench.cache.layer import cat_tokens, merge_held
-from kvbench.cache.masks import grouped_additive_mask
+from kvbench.cache.layer import StoredTokens, cat_tokens, merge_held
 from kvbench.cache.outliers import EMPTY, Pool, place
 from kvbench.config import check_choice, require
 from kvbench.methods.affine_base import FullPrecisionWindow, kv_bits_label
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
 from kvbench.quant.affine import ZERO_POINTS
+from kvbench.quant.blockwise import ConcatSource, FullPrecisionSource
 
 
 @dataclass
@@ -119,20 +121,6 @@ class OTTConfig(FullPrecisionWindow, MethodConfig):
         check_group("method.value_group_size", self.value_group_size, shape.head_dim, "head_dim")
 
 
-class Stored(NamedTuple):
-    """What a layer holds, ready to attend: the dequantized cache ``qk, qv`` (float32, or None),
-    all outlier tokens ``ok, ov`` with int64 positions ``opos`` (``EMPTY``: unused; None when the
-    layer has none) and the full-precision window ``wk, wv`` (or None)."""
-
-    qk: torch.Tensor | None
-    qv: torch.Tensor | None
-    ok: torch.Tensor | None
-    ov: torch.Tensor | None
-    opos: torch.Tensor | None
-    wk: torch.Tensor | None
-    wv: torch.Tensor | None
-
-
 class OTTLayer(KIVILayout):
     """KIVI's stores (``kq`` keys per channel over G tokens, ``k_res``/``v_res`` the full-precision
     tokens) with values per token over ``value_group_size`` channels, plus the outlier pools."""
@@ -155,7 +143,6 @@ class OTTLayer(KIVILayout):
         self.pool: Pool | None = None  # N tokens, positions ascending
         self.extra: Pool | None = None  # evicted outliers, valid slots first
         self.tracing: torch.Tensor | None = None  # bool [B, H_kv]: still identifying outliers
-        self._pending: tuple | None = None  # (stored before this forward, new keys, new values)
 
     # -- storage ------------------------------------------------------------------------------
     def append(self, keys, values):
@@ -233,105 +220,48 @@ class OTTLayer(KIVILayout):
         v = torch.where(joined, v.mean(-2, keepdim=True), v)
         return k, v
 
-    def stored(self) -> Stored:
+    def stored(self) -> StoredTokens | None:
+        """The quantized cache with the outliers' own positions hidden (their codes are never read),
+        the outlier pools at their positions (empty slots hidden), then the window, in order."""
+        tq = len(self.kq)
+        quantized = (self.kq.source(), self.vq.source()) if tq else (None, None)
+        window = (self.k_res.source(), self.v_res.source())
+        if self.pool is None:
+            return StoredTokens(
+                ConcatSource([quantized[0], window[0]]), ConcatSource([quantized[1], window[1]])
+            )
+        pk = torch.cat([self.pool.k, self.extra.k], dim=-2)
+        pv = torch.cat([self.pool.v, self.extra.v], dim=-2)
+        opos = torch.cat([self.pool.pos, self.extra.pos], dim=-1).long()
+        b, h, n = opos.shape
+        seq = torch.arange(tq, device=opos.device).expand(b, h, tq)
+        # a pooled token's quantized entry: position -1 (written to a scratch column, then dropped)
+        hide = torch.where(opos >= 0, opos, tq)
+        qpos = torch.cat([seq, seq.new_zeros(b, h, 1)], dim=-1).scatter(-1, hide, EMPTY)[..., :tq]
+        wpos = torch.arange(tq, tq + len(self.k_res), device=opos.device).expand(b, h, len(self.k_res))
+        return StoredTokens(
+            ConcatSource([quantized[0], FullPrecisionSource(pk), window[0]]),
+            ConcatSource([quantized[1], FullPrecisionSource(pv), window[1]]),
+            torch.cat([qpos, opos, wpos], dim=-1),
+        )
+
+    def read(self):
+        """The stored tokens in position order: outliers at their positions over the cache (the
+        reference that :meth:`stored` is tested against)."""
         qk = self.kq.dequantize() if len(self.kq) else None
         qv = self.vq.dequantize() if len(self.vq) else None
-        ok = ov = opos = None
-        if self.pool is not None:
+        if qk is not None and self.pool is not None:
             ok = torch.cat([self.pool.k, self.extra.k], dim=-2)
             ov = torch.cat([self.pool.v, self.extra.v], dim=-2)
             opos = torch.cat([self.pool.pos, self.extra.pos], dim=-1).long()
-        return Stored(qk, qv, ok, ov, opos, self.k_res.data, self.v_res.data)
-
-    @staticmethod
-    def dense(s: Stored) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored tokens in position order: outliers at their positions over the cache."""
-        qk, qv = s.qk, s.qv
-        if qk is not None and s.opos is not None:
-            qk, qv = place(qk, s.ok, s.opos), place(qv, s.ov, s.opos)
-        return cat_tokens(qk, s.wk), cat_tokens(qv, s.wv)
-
-    def read(self):
-        return self.dense(self.stored())
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        # KVLayer's read rule, keeping the pieces of the stored part for attend
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.num_tokens:
-            stored = self.stored()
-            self._pending = (stored, key_states, value_states)
-            past_k, past_v = self.dense(stored)
-            keys = torch.cat([past_k.to(key_states.dtype), key_states], dim=-2)
-            values = torch.cat([past_v.to(value_states.dtype), value_states], dim=-2)
-        else:
-            self._pending = None
-            keys, values = key_states, value_states
-        self.append(key_states, value_states)
-        self.num_tokens += key_states.shape[-2]
-        return keys, values
+            qk, qv = place(qk, ok, opos), place(qv, ov, opos)
+        return cat_tokens(qk, self.k_res.data), cat_tokens(qv, self.v_res.data)
 
     def held_tensors(self):
         held = super().held_tensors()  # codes, scales, zeros, residual
         if self.pool is None:
             return held
         return merge_held(held, {"outliers": self.pool.tensors() + self.extra.tensors() + [self.tracing]})
-
-    # -- attention ----------------------------------------------------------------------------
-    def attend(self, module, query, keys, values, attention_mask, **kwargs):
-        pending, self._pending = self._pending, None
-        if pending is None:  # nothing stored before this forward: exact tokens only
-            return KVLayer.attend(self, module, query, keys, values, attention_mask, **kwargs)
-        if kwargs.get("softcap") is not None:
-            raise ValueError("ott attention does not support softcap")
-        s, new_k, new_v = pending
-        scaling = kwargs.get("scaling") or module.scaling
-        out = three_part_attention(query, s, new_k, new_v, attention_mask, scaling)
-        return out.transpose(1, 2).contiguous().to(query.dtype), None
-
-
-def three_part_attention(query, s: Stored, new_k, new_v, attention_mask, scaling) -> torch.Tensor:
-    """``query [B, H, q, D]`` over the quantized cache (outlier positions excluded), the outliers
-    and the full-precision window followed by the new tokens, with one softmax (float32).
-    Returns ``[B, H, q, D]``."""
-    b, h, q_len, d = query.shape
-    hk = new_k.shape[1]
-    rep = h // hk
-    # query heads kv*rep + r share kv head kv: rows (r, i) of one kv head
-    qf = query.float().reshape(b, hk, rep * q_len, d)
-    wk, wv = cat_tokens(s.wk, new_k).float(), cat_tokens(s.wv, new_v).float()
-    tq = 0 if s.qk is None else s.qk.shape[-2]
-    kv_len = tq + wk.shape[-2]
-    mask = grouped_additive_mask(attention_mask, b, hk, rep, q_len, kv_len, query.device)
-
-    scores, vals = [], []
-    if tq:
-        sq = qf @ s.qk.float().transpose(-1, -2) * scaling + mask[..., :tq]
-        if s.opos is not None:
-            excluded = place(
-                torch.zeros(b, hk, tq, 1, device=query.device), torch.ones_like(s.opos[..., None]), s.opos
-            )
-            sq = sq.masked_fill(excluded[..., 0].bool()[:, :, None, :], float("-inf"))
-        scores.append(sq)
-        vals.append(s.qv.float())
-    if s.opos is not None:
-        valid = s.opos >= 0
-        idx = torch.where(valid, s.opos, 0)[:, :, None, :].expand(b, hk, rep * q_len, s.opos.shape[-1])
-        so = qf @ s.ok.float().transpose(-1, -2) * scaling + mask.gather(-1, idx)
-        scores.append(so.masked_fill(~valid[:, :, None, :], float("-inf")))
-        vals.append(s.ov.float())
-    scores.append(qf @ wk.transpose(-1, -2) * scaling + mask[..., tq:])
-    vals.append(wv)
-
-    # one softmax over the three parts, max-subtracted in float32
-    logits = torch.cat(scores, dim=-1)
-    top = logits.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a fully masked row
-    p = torch.exp(logits - top)
-    den = p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    parts = p.split([x.shape[-1] for x in scores], dim=-1)
-    out = sum(w @ val for w, val in zip(parts, vals, strict=True)) / den
-    return out.reshape(b, h, q_len, d)
 
 
 @register_method("ott")

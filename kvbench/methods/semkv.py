@@ -69,7 +69,7 @@ from kvbench.cache import KVLayer
 from kvbench.cache.capture import OutputCapture
 from kvbench.cache.composite import CompositeLayer
 from kvbench.cache.fp import FullPrecisionTokens
-from kvbench.cache.layer import cat_tokens
+from kvbench.cache.layer import StoredTokens, cat_tokens
 from kvbench.cache.quantized import QuantizedTokens
 from kvbench.cache.rotated import HeadRotations, RotatedCodes
 from kvbench.config import check_choice, require
@@ -87,6 +87,7 @@ from kvbench.methods.semkv_metrics import (
     logit_scores,
     metric_seed,
 )
+from kvbench.quant.blockwise import ConcatSource
 from kvbench.quant.mixed import (
     RunningAllocator,
     high_fraction,
@@ -281,6 +282,35 @@ class SemKVLayer(KVLayer):
         if not self.masks:
             return None
         return torch.cat([unpack_mask(m, n) for m, n in zip(self.masks, self.unit_sizes, strict=True)], -1)
+
+    def stored(self) -> StoredTokens | None:
+        """The two stores (each holding its tokens in order) and the pending tokens, with every
+        entry's position: a head's tokens at L_hi are at the True places of its allocation map.
+        None for attention metrics, which score the pending tokens from the full softmax over every
+        key and so take the reconstructing path."""
+        if self.metric in ATTENTION_METRICS:
+            return None
+        mask = self.allocation_mask()
+        parts = {"k": [], "v": []}
+        positions = []
+        if mask is not None:
+            # token order within each level: first the L_hi positions, then the L_lo ones
+            order = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices
+            positions.append(order)
+            for kv in ("k", "v"):
+                parts[kv].extend(store.source() if len(store) else None for store in self.stores[kv])
+        allocated = self.allocated_tokens()
+        if self.pending():
+            b, h = self.k_pend.data.shape[:2]
+            pend = torch.arange(allocated, allocated + self.pending(), device=self.k_pend.data.device)
+            positions.append(pend.expand(b, h, self.pending()))
+            parts["k"].append(self.k_pend.source())
+            parts["v"].append(self.v_pend.source())
+        return StoredTokens(ConcatSource(parts["k"]), ConcatSource(parts["v"]), torch.cat(positions, dim=-1))
+
+    def bytes_reserved(self):
+        stores = [s for pair in self.stores.values() for s in pair] + [self.k_pend, self.v_pend]
+        return sum(s.bytes_reserved() for s in stores)
 
     def read(self):
         mask = self.allocation_mask()

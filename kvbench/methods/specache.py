@@ -60,10 +60,11 @@ import torch
 
 from kvbench.cache import KVBenchCache
 from kvbench.cache.kivi_layout import KIVILayout
-from kvbench.cache.layer import cat_tokens, merge_held
+from kvbench.cache.layer import StoredTokens, merge_held
 from kvbench.config import require
 from kvbench.methods.affine_base import AffineKVConfig, kv_bits_label
 from kvbench.methods.base import Method, covers_context, register_method
+from kvbench.quant.blockwise import ConcatSource, FullPrecisionSource, LogitObserver
 
 # Host buffers grow by this many tokens past the prompt, so that decoding reallocates rarely; the
 # spare capacity is held memory and is accounted.
@@ -172,29 +173,50 @@ class HostTokens:
         return [] if self.buf is None else [self.buf]
 
 
-def grouped_attention(query, keys, values, attention_mask, scaling):
-    """Softmax attention that also returns its probabilities.
+class TopKScores(LogitObserver):
+    """The attention probabilities of one query row, summed over the query heads that share each kv
+    head, by sequence position: what ArgTopK ranks. Watches a blockwise attention
+    (:func:`~kvbench.quant.blockwise.blockwise_attention`) whose stored entries sit at ``positions``
+    (None: in order) and whose exact tokens follow at positions ``length ..``.
 
-    ``query [B, H, q, D]``, ``keys/values [B, H_kv, S, D]``, the last q keys being the query tokens
-    themselves (causal among them). Returns the output ``[B, q, H, D]`` (transformers' layout) in the
-    query's dtype and float32 probabilities ``[B, H_kv, H // H_kv, q, S]``.
-    """
-    b, h, q, d = query.shape
-    h_kv, s = keys.shape[1], keys.shape[-2]
-    rep = h // h_kv
-    qg = query.float().reshape(b, h_kv, rep * q, d)
-    scores = (qg @ keys.float().transpose(-1, -2) * scaling).view(b, h_kv, rep, q, s)
-    rows = torch.arange(q, device=scores.device)[:, None]
-    cols = torch.arange(s, device=scores.device)[None, :]
-    allowed = cols <= s - q + rows  # [q, S]
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        allowed = allowed & attention_mask[:, :, None, :, -s:]  # [B, 1, 1, q, S]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        scores = scores + attention_mask[:, :, None, :, -s:].float()
-    probs = torch.softmax(scores, dim=-1)
-    out = (probs.view(b, h_kv, rep * q, s) @ values.float()).view(b, h, q, d)
-    return out.transpose(1, 2).contiguous().to(query.dtype), probs
+    ``row``: the query position (negative counts from the end), ``q``: the forward's query count,
+    ``rep``: query heads per kv head."""
+
+    def __init__(self, row: int, q: int, rep: int, positions: torch.Tensor | None, length: int):
+        self.row = row % q
+        self.q, self.rep = q, rep
+        self.positions, self.length = positions, length
+        self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (positions [B, H, n], logits)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :, self.row :: self.q]  # rows ordered (rep, position): [B, H_kv, rep, ...]
+
+    def block(self, start: int, stop: int, logits: torch.Tensor) -> None:
+        b, h = logits.shape[:2]
+        if self.positions is not None and start < self.positions.shape[-1]:
+            pos = self.positions[..., start:stop]
+        else:  # in-order stored entries, or the exact tokens after the stored ones
+            first = start if self.positions is None else self.length + start - self.positions.shape[-1]
+            pos = torch.arange(first, first + stop - start, device=logits.device).expand(b, h, stop - start)
+        self.blocks.append((pos, self._rows(logits)))
+
+    def done(self, m: torch.Tensor, l: torch.Tensor) -> None:  # noqa: E741 (the softmax sum)
+        m, l = self._rows(m), self._rows(l)
+        ref = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        b, h = m.shape[:2]
+        total = self.length + self.q
+        self.scores = torch.zeros(b, h, total + 1, device=m.device)  # a scratch column for hidden entries
+        for pos, logits in self.blocks:
+            probs = (torch.exp(logits - ref) / l.clamp_min(torch.finfo(torch.float32).tiny)).sum(dim=2)
+            self.scores.scatter_add_(-1, torch.where(pos >= 0, pos, total), probs)
+        self.blocks = []
+
+    def top(self, k: int, candidates: int) -> torch.Tensor | None:
+        """``ArgTopK`` among positions ``0 .. candidates - 1``: ``[B, H_kv, min(k, candidates)]``."""
+        k = min(k, candidates)
+        if k <= 0:
+            return None
+        return self.scores[..., :candidates].topk(k, dim=-1).indices
 
 
 class SpeCacheLayer(KIVILayout):
@@ -264,26 +286,23 @@ class SpeCacheLayer(KIVILayout):
         self.fetched_entries += idx.numel()
         self.fetched_bytes += fk.numel() * fk.element_size() + fv.numel() * fv.element_size()
 
-    def substitute(self, past_k: torch.Tensor, past_v: torch.Tensor):
-        """``C' U C_K``: the low-bit past ``[B, H_kv, S, D]`` with the prefetched rows put back."""
+    def substituted(self, low_bit: StoredTokens) -> StoredTokens:
+        """``C' U C_K``: the low-bit entries at the prefetched positions hidden, the prefetched FP16
+        rows added at their positions."""
         if self._ready is not None:
             torch.cuda.current_stream().wait_event(self._ready)
             self._ready = None
         if self.log is not None:
             self.log.append(self.fetched_idx.clone())
-        index = self.fetched_idx[..., None].expand(*self.fetched_idx.shape, past_k.shape[-1])
-        past_k = past_k.float().scatter(2, index, self.fetched_k.float())
-        past_v = past_v.float().scatter(2, index, self.fetched_v.float())
-        return past_k, past_v
-
-    def select(self, probs: torch.Tensor, row: int, candidates: int) -> torch.Tensor | None:
-        """``ArgTopK`` of query row ``row``: ``probs [B, H_kv, rep, q, S]`` summed over the query heads
-        of each KV head, among the first ``candidates`` tokens. Returns ``[B, H_kv, k]`` or None."""
-        k = min(self.topk, candidates)
-        if k <= 0:
-            return None
-        score = probs[:, :, :, row, :candidates].sum(dim=2)
-        return score.topk(k, dim=-1).indices
+        b, h, k = self.fetched_idx.shape
+        n = low_bit.num_entries
+        seq = torch.arange(n, device=self.fetched_idx.device).expand(b, h, n)
+        hidden = torch.cat([seq, seq.new_zeros(b, h, 1)], dim=-1).scatter(-1, self.fetched_idx, -1)[..., :n]
+        return StoredTokens(
+            ConcatSource([low_bit.keys, FullPrecisionSource(self.fetched_k)]),
+            ConcatSource([low_bit.values, FullPrecisionSource(self.fetched_v)]),
+            torch.cat([hidden, self.fetched_idx.long()], dim=-1),
+        )
 
     # -- transformers' cache update and attention ------------------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
@@ -291,45 +310,43 @@ class SpeCacheLayer(KIVILayout):
             self.lazy_initialization(key_states, value_states)
         plan = self.plan
         self._past_len = self.num_tokens
-        if self.num_tokens:
-            past_k, past_v = self.read()
-            if plan.use_fetched and self.fetched_idx is not None:
-                past_k, past_v = self.substitute(past_k, past_v)
-            keys = torch.cat([past_k.to(key_states.dtype), key_states], dim=-2)
-            values = torch.cat([past_v.to(value_states.dtype), value_states], dim=-2)
-        else:
-            keys, values = key_states, value_states
+        self._low_bit = self.stored() if self.num_tokens else None  # C', before this forward's tokens
+        self._pending = self._low_bit
+        if self._low_bit is not None and plan.use_fetched and self.fetched_idx is not None:
+            self._pending = self.substituted(self._low_bit)
         n = key_states.shape[-2] if plan.store is None else min(plan.store, key_states.shape[-2])
         if n:
             self.append(key_states[..., :n, :], value_states[..., :n, :])
         self._stored_now = n
         self.num_tokens += n
-        return keys, values
+        return key_states, value_states
 
     def attend(self, module, query, keys, values, attention_mask, **kwargs):
         plan = self.plan
-        if not self._past_len or self.topk == 0 or (plan.select is None and not plan.exact):
+        stored, self._pending = self._pending, None
+        low_bit, self._low_bit = self._low_bit, None
+        if stored is None or self.topk == 0 or (plan.select is None and not plan.exact):
             # nothing to choose: the prompt attends itself exactly, k = 0 is C' alone, and a plan
             # without selection attends what update() already substituted
+            self._pending = stored
             return super().attend(module, query, keys, values, attention_mask, **kwargs)
-        scaling = kwargs.get("scaling") or module.scaling
-        out, probs = grouped_attention(query, keys, values, attention_mask, scaling)
-        row = plan.select
+        rep = query.shape[1] // keys.shape[1]
+        scores = TopKScores(plan.select, query.shape[2], rep, stored.positions, self._past_len)
+        out = self.attend_stored(
+            module, query, stored, keys, values, attention_mask, observer=scores, **kwargs
+        )
         if plan.exact:
-            idx = self.select(probs, row, min(len(self.kq), self._past_len))
+            idx = scores.top(self.topk, min(len(self.kq), self._past_len))
             if idx is None:
-                return out, None
+                return out
             self.fetch(idx, asynchronous=False)
-            past_k, past_v = self.substitute(keys[..., : self._past_len, :], values[..., : self._past_len, :])
-            keys = cat_tokens(past_k, keys[..., self._past_len :, :].float()).to(keys.dtype)
-            values = cat_tokens(past_v, values[..., self._past_len :, :].float()).to(values.dtype)
-            out, _ = grouped_attention(query, keys, values, attention_mask, scaling)
-            return out, None
-        if row is not None:
-            idx = self.select(probs, row, min(len(self.kq), self._past_len + self._stored_now))
-            if idx is not None:
-                self.fetch(idx, asynchronous=True)
-        return out, None
+            return self.attend_stored(
+                module, query, self.substituted(low_bit), keys, values, attention_mask, **kwargs
+            )
+        idx = scores.top(self.topk, min(len(self.kq), self._past_len + self._stored_now))
+        if idx is not None:
+            self.fetch(idx, asynchronous=True)
+        return out
 
 
 class SpeCacheCache(KVBenchCache):

@@ -460,10 +460,25 @@ class CodebookSource(_PackedSource):
 
 class RoPESource(BlockSource):
     """Keys stored before RoPE (KVQuant's pre-RoPE keys): reads rotate token ``i`` of ``inner`` to
-    absolute position ``first_position + i`` (:mod:`kvbench.quant.rope`, default-type RoPE)."""
+    absolute position ``first_position + i`` (:mod:`kvbench.quant.rope`, default-type RoPE).
+    ``table``: optional precomputed ``(cos, sin)`` ``[P, D]`` indexed by absolute position, covering
+    every stored token (a layer keeps one grown by doubling instead of recomputing the angles of
+    every block at every step)."""
 
-    def __init__(self, inner: TokenSource, theta: float, first_position: int = 0):
+    def __init__(
+        self,
+        inner: TokenSource,
+        theta: float,
+        first_position: int = 0,
+        table: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         self.inner, self.theta, self.first_position = inner, theta, first_position
+        if table is not None and table[0].shape[0] < first_position + inner.num_tokens:
+            raise ValueError(
+                f"the RoPE table covers {table[0].shape[0]} positions, the stored keys reach "
+                f"{first_position + inner.num_tokens}"
+            )
+        self.table = table
 
     @property
     def num_tokens(self) -> int:
@@ -478,8 +493,11 @@ class RoPESource(BlockSource):
 
     def read(self, start: int, stop: int) -> torch.Tensor:
         x = self.inner.read(start, stop)
-        positions = torch.arange(self.first_position + start, self.first_position + stop, device=x.device)
-        cos, sin = cos_sin(positions, x.shape[-1], self.theta)
+        lo, hi = self.first_position + start, self.first_position + stop
+        if self.table is not None:
+            cos, sin = self.table[0][lo:hi], self.table[1][lo:hi]
+        else:
+            cos, sin = cos_sin(torch.arange(lo, hi, device=x.device), x.shape[-1], self.theta)
         return rotate(x, cos, sin)
 
 
@@ -588,6 +606,33 @@ class _OnlineSoftmax:
         return self.acc / torch.where(self.l > 0, self.l, torch.ones_like(self.l))
 
 
+def _positional_mask(positions: torch.Tensor, mask: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """Additive ``[B, H_kv, rows or 1, n]`` bias of stored tokens at ``positions [B, H_kv, n]``: -inf
+    where the position is -1, else the mask's column at that position (0 without a mask)."""
+    hidden = positions < 0
+    if mask is None:
+        zero = torch.zeros((), device=positions.device)
+        return torch.where(hidden, -math.inf, zero)[:, :, None, :]
+    b, h, n = positions.shape
+    m = mask.expand(max(b, mask.shape[0]), h, rows, mask.shape[-1])
+    cols = positions.clamp(min=0)[:, :, None, :].expand(m.shape[0], h, rows, n)
+    return m.gather(-1, cols).masked_fill(hidden[:, :, None, :], -math.inf)
+
+
+class LogitObserver:
+    """Sees what :func:`blockwise_attention` computes, for methods that choose tokens by attention
+    (SpeCache's top-k): :meth:`block` gets each block's scaled, masked logits ``[B, H_kv, rows, n]``
+    (rows ordered ``(rep, position)``) for stored tokens ``[start, stop)`` and then for the exact
+    tokens (``start`` = T); :meth:`done` the final running max ``m`` and sum ``l`` ``[B, H_kv, rows,
+    1]``, so that a probability is ``exp(logit - m) / l``. The default does nothing."""
+
+    def block(self, start: int, stop: int, logits: torch.Tensor) -> None:
+        pass
+
+    def done(self, m: torch.Tensor, l: torch.Tensor) -> None:  # noqa: E741
+        pass
+
+
 def blockwise_attention(
     query: torch.Tensor,
     keys: TokenSource | None,
@@ -597,6 +642,8 @@ def blockwise_attention(
     exact_keys: torch.Tensor | None = None,
     exact_values: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    observer: LogitObserver | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over stored tokens and the current forward's own tokens.
 
@@ -611,6 +658,13 @@ def blockwise_attention(
             attended in full precision; query i sees exact tokens ``0..i``.
         attention_mask: optional ``[B or 1, 1 or H_q, q, T + q]`` boolean (True: attend) or additive
             float mask; replaces the causal rule of the exact tokens.
+        positions: None when the stored tokens are held in sequence order (stored token i is
+            position i). Else int64 ``[B, H_kv, T]``: the sequence position of each stored token per
+            kv head (sources that hold a head's tokens out of order: outlier pools, two-level
+            stores, prefetched rows), or -1 for a stored entry that is never attended (a quantized
+            copy superseded by an exact one). The mask's stored columns are indexed by position.
+        observer: optional :class:`LogitObserver`, shown every block's masked logits (stored
+            blocks, then the exact tokens) and the final softmax state.
 
     Returns:
         ``[B, q, H_q, D]`` in ``query.dtype`` (the layout transformers' attention functions return).
@@ -633,26 +687,42 @@ def blockwise_attention(
     qf = (query.float() * scaling).reshape(b, hkv, rows, d)  # rows ordered (rep, position)
     if attention_mask is not None:
         mask = _as_additive(_mask_rows(attention_mask, hkv, n_rep))
+    if positions is not None:
+        if tuple(positions.shape) != (b, hkv, stored):
+            raise ValueError(
+                f"positions must be [B, H_kv, T] = {(b, hkv, stored)}, got {tuple(positions.shape)}"
+            )
+        positions = positions.long()
     state = _OnlineSoftmax((b, hkv, rows), d, query.device)
     if stored:
         cuts = set(keys.boundaries()) | set(values.boundaries())
         for start, stop in block_ranges(stored, block_size, sorted(cuts)):
             logits = keys.scores(qf, start, stop)
-            if attention_mask is not None:
+            if positions is not None:
+                logits = logits + _positional_mask(
+                    positions[..., start:stop], mask if attention_mask is not None else None, rows
+                )
+            elif attention_mask is not None:
                 logits = logits + mask[..., start:stop]
+            if observer is not None:
+                observer.block(start, stop, logits)
             p = state.weights(logits)
             state.add(values.mix(p, start, stop))
     if exact_keys is not None:
         logits = torch.matmul(qf, exact_keys.float().transpose(-1, -2))  # [B, H_kv, rows, q]
         if attention_mask is not None:
-            logits = logits + mask[..., stored : stored + exact_keys.shape[-2]]
+            logits = logits + mask[..., mask.shape[-1] - exact_keys.shape[-2] :]
         elif exact_keys.shape[-2] > 1:
             t = exact_keys.shape[-2]
             own = torch.arange(rows, device=query.device) % q + (t - q)  # query i is exact token t-q+i
             hidden = torch.arange(t, device=query.device)[None, :] > own[:, None]
             logits = logits.masked_fill(hidden, -math.inf)
+        if observer is not None:
+            observer.block(stored, stored + exact_keys.shape[-2], logits)
         p = state.weights(logits)
         state.add(torch.matmul(p, exact_values.float()))
+    if observer is not None:
+        observer.done(state.m, state.l)
     out = state.result().reshape(b, hq, q, d)
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
@@ -667,6 +737,8 @@ def blockwise_attention_forward(
     block_size: int | None = None,
     exact_keys: torch.Tensor | None = None,
     exact_values: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    observer: LogitObserver | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """:func:`blockwise_attention` in the shape of transformers' attention functions: returns
@@ -677,6 +749,15 @@ def blockwise_attention_forward(
     if block_size is None:
         block_size = int(os.environ.get("KVBENCH_BLOCK_SIZE", DEFAULT_BLOCK_SIZE))
     out = blockwise_attention(
-        query, keys, values, scaling, block_size, exact_keys, exact_values, attention_mask
+        query,
+        keys,
+        values,
+        scaling,
+        block_size,
+        exact_keys,
+        exact_values,
+        attention_mask,
+        positions,
+        observer,
     )
     return out, None

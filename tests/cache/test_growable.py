@@ -79,10 +79,27 @@ def test_popped_rows_survive_later_appends():
 def test_pop_everything_then_reuse():
     buf = GrowableTokens()
     buf.append(torch.ones(1, 1, 5, 2))
-    buf.pop_front(5)
+    before = buf.view()
+    popped = buf.pop_front(5)
     assert len(buf) == 0 and buf.tensors() == [] and buf.bytes_in_use() == 0
     buf.append(torch.zeros(1, 1, 2, 2))
-    assert buf.start == 0 and torch.equal(buf.view(), torch.zeros(1, 1, 2, 2))
+    assert torch.equal(buf.view(), torch.zeros(1, 1, 2, 2))
+    # rows once written are never overwritten: the view and the popped rows still hold them
+    assert torch.equal(before, torch.ones(1, 1, 5, 2)) and torch.equal(popped, torch.ones(1, 1, 5, 2))
+
+
+def test_views_survive_appends_pops_and_compaction():
+    # a layer snapshots its stores before a forward's append and attends them after it
+    buf = GrowableTokens(min_capacity=8)
+    snapshots = []
+    for step in range(200):
+        buf.append(torch.full((1, 2, 1, 3), float(step)))
+        if len(buf) > 5:
+            buf.pop_front(1)
+        snapshots.append((buf.view(), buf.view().clone()))
+    assert buf.moves > 0
+    for view, copy in snapshots:
+        assert torch.equal(view, copy)
 
 
 def test_grouped_rows_count_tokens():

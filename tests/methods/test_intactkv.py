@@ -31,12 +31,14 @@ def test_sink_tokens_are_exact_and_first():
     assert len(layer.inner.kq) == 36 and layer.num_tokens == 40
 
 
-def test_update_returns_sink_stored_past_and_exact_new_token():
+def test_update_stores_sink_first_and_attends_past_from_sources():
     k, v = torch.randn(2, 1, 2, 21, 64).unbind(0)
     layer, (keys, values) = fill({"name": "kivi", "bits": 2, "residual": 32, "sink_tokens": 1}, k, v, [20, 1])
-    assert keys.shape == (1, 2, 21, 64)
-    assert torch.equal(keys[:, :, -1], k[:, :, -1])
-    assert torch.allclose(keys[:, :, 0], k[:, :, 0], atol=1e-2)  # fp16 sink
+    assert torch.equal(keys, k[:, :, -1:])  # this forward's token, exact
+    stored = layer._pending  # the 20 tokens stored before it: fp16 sink, then KIVI's stores
+    assert stored.num_entries == 20 and stored.positions is None
+    assert torch.equal(stored.keys.read(0, 1), k[:, :, :1].half().float())
+    assert torch.equal(stored.keys.read(1, 20), layer.inner.read()[0][:, :, :19].float())
 
 
 def test_sink_bytes_are_counted():

@@ -57,14 +57,18 @@ def test_streaming_decode_equals_whole_tensor_requantization():
     assert torch.equal(got_v, want_v)
 
 
-def test_update_returns_stored_past_and_exact_new_tokens():
+def test_update_attends_stored_past_from_sources_and_new_tokens_exactly():
     k, v = torch.randn(2, 1, 2, 301, 64).unbind(0)
     layer = kivi_layer()
     layer.update(k[:, :, :300], v[:, :, :300])
     past_k, past_v = layer.read()
     keys, values = layer.update(k[:, :, 300:], v[:, :, 300:])
-    assert torch.equal(keys[:, :, :300], past_k) and torch.equal(keys[:, :, 300:], k[:, :, 300:])
-    assert torch.equal(values[:, :, :300], past_v)
+    # update returns this forward's exact tokens; the stored past is read from packed sources taken
+    # before the append, which still read what was stored then
+    assert torch.equal(keys, k[:, :, 300:]) and torch.equal(values, v[:, :, 300:])
+    stored = layer._pending
+    assert torch.equal(stored.keys.read(0, 300), past_k.float())
+    assert torch.equal(stored.values.read(0, 300), past_v.float())
     assert not torch.equal(past_k, k[:, :, :300])  # the quantized part is really quantized
 
 

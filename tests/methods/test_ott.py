@@ -129,7 +129,10 @@ def module(rep=2):
 
 
 @pytest.mark.parametrize("q_len, masked", [(1, False), (3, False), (3, True)])
-def test_three_part_attention_equals_dense_attention_over_the_positions(q_len, masked):
+@pytest.mark.parametrize("block_size", [5, 1024])
+def test_attention_over_the_three_parts_equals_dense_attention_over_the_positions(
+    q_len, masked, block_size, monkeypatch
+):
     torch.manual_seed(0)
     t, d = 23, 8
     k = torch.randn(1, 2, t + q_len, d) * torch.linspace(0.5, 3, d)
@@ -140,24 +143,33 @@ def test_three_part_attention_equals_dense_attention_over_the_positions(q_len, m
     # flushes while R + G = 7 tokens are in full precision: 23 -> 3 left, 5 groups quantized
     assert (len(layer.kq), len(layer.k_res)) == (20, 3)
     assert (layer.extra.pos >= 0).any()
+    past_k, past_v = layer.read()  # the reference: outliers exactly at their positions
+    opos = torch.cat([layer.pool.pos, layer.extra.pos], dim=-1)
+    for h in range(2):
+        valid = opos[0, h][opos[0, h] >= 0].long()
+        assert torch.equal(past_k[0, h, valid], k[0, h, valid])
+        assert not torch.equal(layer.kq.dequantize()[0, h, valid], k[0, h, valid])  # unread codes
+    assert not torch.allclose(past_k[:, :, :16], k[:, :, :16], atol=1e-2)
     query = torch.randn(1, 4, q_len, d)
     keys, values = layer.update(k[:, :, t:], v[:, :, t:])
-    # the dense cache holds the outliers exactly at their positions, the rest through the codes
-    pos = layer._pending[0].opos
+    assert torch.equal(keys, k[:, :, t:])
+    # every position 0..t-1 is attended exactly once: hidden entries are the pooled tokens' codes
+    pos = layer._pending.positions
     for h in range(2):
-        valid = pos[0, h][pos[0, h] >= 0]
-        assert torch.equal(keys[0, h, valid], k[0, h, valid])
-        assert not torch.equal(layer._pending[0].qk[0, h, valid], k[0, h, valid])  # unread codes
-    assert not torch.allclose(keys[:, :, :16], k[:, :, :16], atol=1e-2)
+        seen = pos[0, h][pos[0, h] >= 0]
+        assert sorted(seen.tolist()) == list(range(t))
     causal = torch.ones(1, 1, q_len, t + q_len, dtype=torch.bool).tril(t)  # new token i sees 0..t+i
     mask = None
     if masked:
         mask = causal.clone()
-        mask[..., [0, int(pos[0, 0, 0]), 17]] = False  # a pool position among them
+        mask[..., [0, int(opos[0, 0, 0]), 17]] = False  # a pool position among them
+    monkeypatch.setenv("KVBENCH_BLOCK_SIZE", str(block_size))
     got, _ = layer.attend(module(), query, keys, values, mask, scaling=0.3)
+    dense_k = torch.cat([past_k.float(), keys], dim=-2)
+    dense_v = torch.cat([past_v.float(), values], dim=-2)
     # (no mask means the causal rule of the newest tokens, which SDPA must be told explicitly)
     want, _ = sdpa_attention_forward(
-        module(), query, keys, values, causal if mask is None else mask, scaling=0.3
+        module(), query, dense_k, dense_v, causal if mask is None else mask, scaling=0.3
     )
     assert got.shape == (1, q_len, 4, d)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -4,12 +4,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from stored_reference import dense_stored
 
 from kvbench.cache import memory_report
 from kvbench.errors import ConfigError
 from kvbench.generate import ModelRunner
 from kvbench.methods import ModelShape, build_method
-from kvbench.methods.specache import HOST_BLOCK, PRE_DECODE, SPECULATIVE_STEP, Plan
+from kvbench.methods.specache import HOST_BLOCK, PRE_DECODE, SPECULATIVE_STEP, Plan, TopKScores
 
 
 def specache_layer(head_dim=8, **overrides):
@@ -62,19 +63,34 @@ def test_minmax_zero_point_is_kivi_at_one_bit():
     assert torch.equal(layer.read()[0][0, 0, :, 0], torch.tensor([0.0, 4.0]))  # z = min, s = max - min
 
 
+def observe(probs: torch.Tensor, row: int, stored: int, positions=None) -> TopKScores:
+    """Feed a TopKScores the logits of ``probs [B, H_kv, rep, q, S]`` (m = 0, l = 1, so its
+    probabilities are ``probs``): ``stored`` entries in one block, then the q exact tokens."""
+    b, h, rep, q, total = probs.shape
+    logits = probs.log().reshape(b, h, rep * q, total)  # rows ordered (rep, position)
+    scores = TopKScores(row, q, rep, positions, total - q)
+    scores.block(0, stored, logits[..., :stored])
+    scores.block(stored, stored + q, logits[..., stored:])
+    scores.done(torch.zeros(b, h, rep * q, 1), torch.ones(b, h, rep * q, 1))
+    return scores
+
+
 def test_topk_sums_the_query_heads_of_a_kv_head():
-    layer = specache_layer(topk=2)
     # [B, H_kv, rep, q, S]: row 1 (the speculative token) over 6 tokens, two query heads
     probs = torch.zeros(1, 1, 2, 2, 6)
     probs[0, 0, 0, 1] = torch.tensor([0.1, 0.0, 0.0, 0.5, 0.1, 0.3])
     probs[0, 0, 1, 1] = torch.tensor([0.0, 0.2, 0.1, 0.1, 0.6, 0.0])
     probs[0, 0, :, 0, 0] = 1.0  # row 0 attends token 0 only: must not be the one used
     # sums: [0.1, 0.2, 0.1, 0.6, 0.7, 0.3]
-    assert sorted(layer.select(probs, 1, 6)[0, 0].tolist()) == [3, 4]
-    assert sorted(layer.select(probs, 1, 4)[0, 0].tolist()) == [1, 3]  # candidates: first 4 tokens
-    assert layer.select(probs, 0, 6)[0, 0, 0].item() == 0
-    layer.topk = 0
-    assert layer.select(probs, 1, 6) is None
+    assert sorted(observe(probs, 1, 4).top(2, 6)[0, 0].tolist()) == [3, 4]
+    assert sorted(observe(probs, -1, 4).top(2, 4)[0, 0].tolist()) == [1, 3]  # candidates: first 4
+    assert observe(probs, 0, 4).top(2, 6)[0, 0, 0].item() == 0
+    assert observe(probs, 1, 4).top(0, 6) is None
+    # entries out of order: positions say where each stored entry sits; -1 is never counted
+    shuffled = probs[..., [2, 0, 3, 1, 4, 5]]
+    positions = torch.tensor([[[2, 0, -1, 1]]])  # entry 2 (position 3) hidden
+    scores = observe(shuffled, 1, 4, positions)
+    assert torch.allclose(scores.scores[0, 0, :6], torch.tensor([0.1, 0.2, 0.1, 0.0, 0.7, 0.3]))
 
 
 def test_speculative_row_chooses_the_prefetch():
@@ -102,13 +118,14 @@ def test_substitution_puts_the_prefetched_fp16_rows_back():
     low_k, low_v = layer.read()
     layer.fetch(torch.tensor([[[1, 6]]]), asynchronous=False)
     layer.plan = Plan(store=1, select=None, use_fetched=True)
-    got_k, got_v = layer.update(k[:, :, 8:], v[:, :, 8:])
+    new_k, new_v = layer.update(k[:, :, 8:], v[:, :, 8:])
+    assert torch.equal(new_k, k[:, :, 8:]) and torch.equal(new_v, v[:, :, 8:])  # attended exactly
+    got_k, got_v = dense_stored(layer._pending, 8)  # what the step attends from storage
     for got, low, exact in ((got_k, low_k, k), (got_v, low_v, v)):
         fetched = exact[:, :, [1, 6]].half().float()
         assert torch.equal(got[:, :, [1, 6]], fetched)
         rest = [0, 2, 3, 4, 5, 7]
-        assert torch.equal(got[:, :, rest], low[:, :, rest])
-        assert torch.equal(got[:, :, 8], exact[:, :, 8])  # the new token is attended exactly
+        assert torch.equal(got[:, :, rest], low[:, :, rest].float())
         assert not torch.equal(low[:, :, [1, 6]], fetched)  # the substitution changed something
 
 
