@@ -22,6 +22,11 @@ reports :meth:`KVLayer.prefetch_stats` ``-> (fetches, entries, bytes)``; the rep
 per fetch (one fetch per layer per decode forward, summed over layers):
 ``prefetch_entries_per_step`` ((token, KV head) pairs) and ``prefetch_bytes_per_step``, None where
 nothing was fetched.
+
+Held and reserved: stores grow in doubling buffers (:mod:`kvbench.cache.growable`), so a layer
+allocates up to twice what it holds. Every figure above counts the bytes in use (the rows a store
+holds); ``reserved_bytes`` is the allocation, spare capacity included, reported beside them
+(:meth:`KVLayer.bytes_reserved`) and never folded into them.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class MemoryReport:
     prefetch_steps: int = 0
     prefetch_entries: int = 0
     prefetch_bytes: int = 0
+    # allocated by the layers' doubling buffers, spare capacity included; never part of the figures
+    reserved_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -139,6 +146,7 @@ def memory_report(layers: list[KVLayer]) -> MemoryReport:
         read_bits, read_values = layer.read_stats()
         report.read_bits_sum += read_bits
         report.read_values += read_values
+        report.reserved_bytes += layer.bytes_reserved()
         for component, tensors in layer.held_tensors().items():
             report.bytes_by_component[component] = report.bytes_by_component.get(component, 0) + tensor_bytes(
                 tensors

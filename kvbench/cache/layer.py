@@ -170,6 +170,12 @@ class KVLayer(CacheLayerMixin):
         prefetch, query-adaptive reads, score tracking) override this."""
         stored, self._pending = getattr(self, "_pending", None), None
         if stored is None:
+            q, kv = query.shape[-2], keys.shape[-2]
+            if attention_mask is None and 1 < q < kv:
+                # SDPA's is_causal aligns the diagonal top-left; the new tokens are the last q
+                attention_mask = torch.ones(q, kv, dtype=torch.bool, device=query.device).tril(kv - q)[
+                    None, None
+                ]
             return sdpa_attention_forward(module, query, keys, values, attention_mask, **kwargs)
         return self.attend_stored(module, query, stored, keys, values, attention_mask, **kwargs)
 

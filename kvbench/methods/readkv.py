@@ -61,6 +61,7 @@ from kvbench.cache.quantized import QuantizedTokens
 from kvbench.config import require
 from kvbench.methods.affine_base import FullPrecisionWindow
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
+from kvbench.quant.blockwise import configured_block_size
 from kvbench.quant.packing import unpack
 from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
 
@@ -200,6 +201,95 @@ def query_adaptive_attention(
     return out, pk, pv
 
 
+class PackedStore(NamedTuple):
+    """A store's packed codes ``[B, H_kv, T, bytes]`` and grouped ``scale``/``zero`` as held (views
+    taken before a forward appends), with its level count, group size and quantization axis."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    levels: int
+    group: int
+    axis: str
+
+    @classmethod
+    def of(cls, store: QuantizedTokens) -> PackedStore:
+        return cls(store.codes, store.scale, store.zero, store.levels, store.group_size, store.axis)
+
+    def block(self, start: int, stop: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes (uint8) and float32 scale/zero expanded to ``[B, H_kv, stop - start, D]`` for
+        tokens ``[start, stop)`` (group-aligned for the channel axis)."""
+        codes = unpack(self.codes[..., start:stop, :], self.levels, head_dim)
+        if self.axis == "channel":
+            rows = slice(start // self.group, stop // self.group)
+            s = self.scale[..., rows, :].float().repeat_interleave(self.group, -2)
+            z = self.zero[..., rows, :].float().repeat_interleave(self.group, -2)
+        else:
+            s = self.scale[..., start:stop, :].float().repeat_interleave(self.group, -1)
+            z = self.zero[..., start:stop, :].float().repeat_interleave(self.group, -1)
+        return codes, s, z
+
+
+def blockwise_query_adaptive_attention(
+    query: torch.Tensor,
+    keys: PackedStore,
+    values: PackedStore,
+    bits: int,
+    key_budget: int,
+    value_budget: int,
+    scaling: float,
+    exact_k: torch.Tensor | None = None,
+    exact_v: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    block_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`query_adaptive_attention` read straight from the packed stores, a block of tokens at a
+    time: the prefix reconstructions ``[B, H_kv, n, block, D]`` exist for one block only, never for
+    the whole cache. Two passes, because step 3's allocation needs the attention of every stored
+    token: pass 1 computes the logits of all stored tokens (``[B, H_kv, n, T]``, no head dim), pass 2
+    the prefix-read values. Same arguments and results as the dense function, up to float
+    reassociation."""
+    q = query.float()
+    d = q.shape[-1]
+    tq = keys.codes.shape[-2]
+    block = max(keys.group, block_size // keys.group * keys.group)  # whole key groups per block
+    ranges = [(s, min(s + block, tq)) for s in range(0, tq, block)]
+    # 1. key channels: weight |q_c| * sigma_c (sigma: RMS of the channel's scales over its groups)
+    rms_k = keys.scale.float().pow(2).mean(-2).sqrt()  # [B, H, D]
+    pk = allocate_prefix_bits(q.abs() * rms_k[:, :, None, :], bits, key_budget)  # [B, H, n, D]
+    # 2. logits of the stored tokens, block by block, then one softmax with the exact tokens
+    parts = []
+    for start, stop in ranges:
+        c, s, z = keys.block(start, stop, d)
+        k_p = prefix_reconstruct(c[:, :, None], s[:, :, None], z[:, :, None], bits, pk[:, :, :, None, :])
+        parts.append((k_p @ q[..., None])[..., 0] * scaling)  # [B, H, n, block]
+    if exact_k is not None and exact_k.shape[-2]:
+        parts.append(q @ exact_k.float().transpose(-1, -2) * scaling)
+    logits = torch.cat(parts, dim=-1)
+    if mask is not None:
+        logits = logits + mask
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    p = torch.exp(logits - top)
+    a = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    a_stored = a[..., :tq]
+    # 3. value tokens: weight a_t * rho_t (rho: RMS of the token's scales over its channel groups)
+    rho_v = values.scale.float().pow(2).mean(-1).sqrt()  # [B, H, T]
+    pv = allocate_prefix_bits(a_stored * rho_v[:, :, None, :], bits, value_budget)  # [B, H, n, T]
+    # 4. output, block by block
+    out = None
+    for start, stop in ranges:
+        c, s, z = values.block(start, stop, d)
+        v_p = prefix_reconstruct(
+            c[:, :, None], s[:, :, None], z[:, :, None], bits, pv[..., start:stop, None]
+        )  # [B, H, n, block, D]
+        part = (a_stored[..., None, start:stop] @ v_p)[..., 0, :]
+        out = part if out is None else out + part
+    if exact_v is not None and exact_v.shape[-2]:
+        out = out + a[..., tq:] @ exact_v.float()
+    return out, pk, pv
+
+
 class ReadKVLayer(CompositeLayer):
     def __init__(self, layer_idx, cfg: ReadKVConfig, fp_dtype):
         super().__init__(layer_idx)
@@ -213,15 +303,7 @@ class ReadKVLayer(CompositeLayer):
         self.v_res = FullPrecisionTokens(fp_dtype)
         self.read_bits_total = 0
         self.read_values_total = 0
-        self._pending: tuple | None = None  # (stored codes, buffer k, buffer v, new k, new v)
-        # decoded view of the stores (codes, B-bit reconstruction), rebuilt when they change
-        self._view: tuple | None = None
-
-    def view(self) -> tuple[Codes, Codes, torch.Tensor, torch.Tensor]:
-        if self._view is None or self._view[0] != len(self.kq):
-            kc, vc = expanded_codes(self.kq), expanded_codes(self.vq)
-            self._view = (len(self.kq), kc, vc, kc.codes * kc.scale + kc.zero, vc.codes * vc.scale + vc.zero)
-        return self._view[1:]
+        self._adaptive: tuple | None = None  # (key store, value store, buffer k, buffer v, new k, new v)
 
     def append(self, keys, values):
         self.k_res.append(keys)
@@ -230,20 +312,13 @@ class ReadKVLayer(CompositeLayer):
             self.kq.append(self.k_res.pop_front(self.group))
             self.vq.append(self.v_res.pop_front(self.group))
 
-    def read(self):
-        if not len(self.kq):
-            return self.k_res.data, self.v_res.data
-        _, _, k, v = self.view()
-        return cat_tokens(k, self.k_res.data), cat_tokens(v, self.v_res.data)
-
     def update(self, key_states, value_states, *args, **kwargs):
-        self._pending = None
+        self._adaptive = None
         if key_states.shape[-2] <= 2 and len(self.kq):
-            # stores are replaced, not modified, on append: these references stay valid
-            kc, vc, _, _ = self.view()
-            self._pending = (
-                kc,
-                vc,
+            # views of storage that appends never overwrite: they stay valid after the append
+            self._adaptive = (
+                PackedStore.of(self.kq),
+                PackedStore.of(self.vq),
                 self.k_res.data,
                 self.v_res.data,
                 key_states,
@@ -252,21 +327,24 @@ class ReadKVLayer(CompositeLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
     def attend(self, module, query, keys, values, attention_mask, **kwargs):
-        pending, self._pending = self._pending, None
-        if pending is None or kwargs.get("softcap") is not None:
+        adaptive, self._adaptive = self._adaptive, None
+        if adaptive is None or kwargs.get("softcap") is not None:
             return super().attend(module, query, keys, values, attention_mask, **kwargs)
-        kc, vc, k_buf, v_buf, new_k, new_v = pending
+        self._pending = None
+        kc, vc, k_buf, v_buf, new_k, new_v = adaptive
         b, h, q_len, d = query.shape
         hk = new_k.shape[1]
         rep = h // hk
         qf = query.float().reshape(b, hk, rep * q_len, d)  # query heads kv*rep + r share kv head kv
         exact_k, exact_v = cat_tokens(k_buf, new_k), cat_tokens(v_buf, new_v)
-        kv_len = kc.codes.shape[-2] + exact_k.shape[-2]
-        mask = grouped_additive_mask(attention_mask, b, hk, rep, q_len, kv_len, query.device)
         tq = kc.codes.shape[-2]
+        kv_len = tq + exact_k.shape[-2]
+        mask = grouped_additive_mask(attention_mask, b, hk, rep, q_len, kv_len, query.device)
         kb, vb = budgets(self.read_bits, self.key_share, d, tq)
         scaling = kwargs.get("scaling") or module.scaling
-        out, pk, pv = query_adaptive_attention(qf, kc, vc, self.bits, kb, vb, scaling, exact_k, exact_v, mask)
+        out, pk, pv = blockwise_query_adaptive_attention(
+            qf, kc, vc, self.bits, kb, vb, scaling, exact_k, exact_v, mask, configured_block_size()
+        )
         self.read_bits_total += int(pk.sum()) * tq + int(pv.sum()) * d
         self.read_values_total += 2 * pk.shape[0] * pk.shape[1] * pk.shape[2] * tq * d
         out = out.reshape(b, h, q_len, d)

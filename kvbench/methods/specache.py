@@ -200,14 +200,15 @@ class TopKScores(LogitObserver):
             pos = torch.arange(first, first + stop - start, device=logits.device).expand(b, h, stop - start)
         self.blocks.append((pos, self._rows(logits)))
 
-    def done(self, m: torch.Tensor, l: torch.Tensor) -> None:  # noqa: E741 (the softmax sum)
-        m, l = self._rows(m), self._rows(l)
+    def done(self, m: torch.Tensor, l: torch.Tensor) -> None:  # noqa: E741
+        m, norm = self._rows(m), self._rows(l)  # running max and softmax sum of the chosen row
+        norm = norm.clamp_min(torch.finfo(torch.float32).tiny)
         ref = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         b, h = m.shape[:2]
         total = self.length + self.q
         self.scores = torch.zeros(b, h, total + 1, device=m.device)  # a scratch column for hidden entries
         for pos, logits in self.blocks:
-            probs = (torch.exp(logits - ref) / l.clamp_min(torch.finfo(torch.float32).tiny)).sum(dim=2)
+            probs = (torch.exp(logits - ref) / norm).sum(dim=2)
             self.scores.scatter_add_(-1, torch.where(pos >= 0, pos, total), probs)
         self.blocks = []
 

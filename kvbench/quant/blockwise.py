@@ -727,6 +727,14 @@ def blockwise_attention(
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
+def configured_block_size() -> int:
+    """Stored tokens per attention block: ``KVBENCH_BLOCK_SIZE`` from the environment, else 1024."""
+    raw = os.environ.get("KVBENCH_BLOCK_SIZE", str(DEFAULT_BLOCK_SIZE))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"KVBENCH_BLOCK_SIZE={raw!r}: expected a positive integer (tokens per block)")
+    return int(raw)
+
+
 def blockwise_attention_forward(
     module,
     query: torch.Tensor,
@@ -747,7 +755,7 @@ def blockwise_attention_forward(
     if scaling is None:
         scaling = module.scaling
     if block_size is None:
-        block_size = int(os.environ.get("KVBENCH_BLOCK_SIZE", DEFAULT_BLOCK_SIZE))
+        block_size = configured_block_size()
     out = blockwise_attention(
         query,
         keys,

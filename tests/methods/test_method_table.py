@@ -46,7 +46,9 @@ def test_method_contract(name):
         assert torch.equal(keys, k[:, :, :prefill]) and torch.equal(values, v[:, :, :prefill])
         for t in range(prefill, prefill + decode):
             keys, values = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], layer)
-        assert keys.shape == (1, 2, prefill + decode, 64)
+        # the cache returns the new token alone when the stored ones are attended from packed
+        # storage (tests/cache/test_attend_packed.py), else everything it attends
+        assert keys.shape[-2] in (1, prefill + decode) and keys.shape[:2] == (1, 2)
         assert torch.equal(keys[:, :, -1], k[:, :, -1])  # the newest token is attended exactly
     assert cache.get_seq_length(0) == prefill + decode
     stored_k, stored_v = cache.layers[0].read()
