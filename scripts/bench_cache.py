@@ -205,7 +205,57 @@ def markdown(rows: list[dict], args) -> str:
             f"| {r['context']} | {r['cache']} | {r['step_ms']:.2f} | {r['vs_DynamicCache']} | "
             f"{r['vs_fp16']} | {r['kv_bytes']:,} | {r['peak_transient_bytes']:,} |"
         )
+    lines += ["", *targets(rows)]
     return "\n".join(lines) + "\n"
+
+
+EVICTION = ("h2o", "snapkv", "streamingllm", "random_prune")
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The cache core's targets, checked against the measured rows (met / missed, with the ratio)."""
+    at = {(r["context"], r["cache"]): r for r in rows}
+    contexts = sorted({r["context"] for r in rows})
+    quantizing = [
+        c
+        for c in dict.fromkeys(r["cache"] for r in rows)
+        if c not in PEER_LABELS and c != "fp16" and c not in EVICTION
+    ]
+    out = ["## Targets", "", "| target | context | cache | measured | met |", "|:--|--:|:--|--:|:--|"]
+
+    def row(target, n, cache, value, ok):
+        out.append(f"| {target} | {n} | {cache} | {value} | {'yes' if ok else 'no'} |")
+
+    for n in contexts:
+        if (n, "fp16") in at and (n, "DynamicCache") in at:
+            ratio = at[(n, "fp16")]["step_ms"] / at[(n, "DynamicCache")]["step_ms"]
+            row("kvbench fp16 <= 1.05x DynamicCache", n, "fp16", f"{ratio:.3f}x", ratio <= 1.05)
+    big = max(contexts)
+    for cache in quantizing:
+        if (big, cache) not in at or (big, "fp16") not in at:
+            continue
+        ratio = at[(big, cache)]["step_ms"] / at[(big, "fp16")]["step_ms"]
+        bound = 1.2 if cache == "kivi" else 1.5
+        row(f"{cache} <= {bound}x kvbench fp16", big, cache, f"{ratio:.3f}x", ratio <= bound)
+    for n in [c for c in contexts if c >= 4096]:
+        quanto = at.get((n, "QuantizedCache-quanto-2b"))
+        for cache in quantizing:
+            if quanto is None or (n, cache) not in at:
+                continue
+            ratio = at[(n, cache)]["step_ms"] / quanto["step_ms"]
+            row("faster than QuantizedCache (quanto 2-bit)", n, cache, f"{ratio:.3f}x", ratio < 1.0)
+    for cache in quantizing + ["fp16"]:
+        if (big, cache) in at:
+            r = at[(big, cache)]
+            share = r["peak_transient_bytes"] / max(r["kv_bytes"], 1)
+            row(
+                "peak transient O(block), not O(cache)",
+                big,
+                cache,
+                f"{r['peak_transient_bytes']:,} B ({share:.2f}x its KV bytes)",
+                share < 0.5,
+            )
+    return out
 
 
 def main(argv=None) -> int:
