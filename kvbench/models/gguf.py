@@ -7,9 +7,9 @@ later load reads that folder in seconds:
 
 - a package's GGUF (``model.gguf_package`` + ``model.gguf_file``, the default model) goes to
   ``models/<model.name>``;
-- a GGUF file (``model.gguf=/path/file.gguf``) goes to ``models/<file stem>-<first 12 hex digits of
-  its SHA-256>``: keyed by content, so the same file under another path or model name reuses the
-  conversion and a different file with the same name never overwrites it. The digest of a large file
+- a GGUF file (``model.gguf=/path/file.gguf``) goes to ``models/gguf-<first 16 hex digits of its
+  SHA-256>``: keyed by content alone, so the same file under another path, file name or model name
+  reuses the conversion, and a different file of the same name never overwrites it. The digest of a large file
   is remembered per (path, size, mtime) in ``models/gguf-sha256.json``, so later runs do not hash
   gigabytes again.
 
@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from filelock import FileLock
 
-from kvbench.config import model_slug
 from kvbench.errors import ConfigError
 from kvbench.models.config import ModelConfig
 
@@ -59,9 +58,7 @@ SHA_INDEX = "gguf-sha256.json"
 def converted_dir(cfg: ModelConfig) -> Path:
     """Where the safetensors conversion of a GGUF-sourced model lives (see the module doc)."""
     if cfg.gguf:
-        gguf = gguf_path(cfg)
-        stem = model_slug(gguf.name.removesuffix(".gguf")) or "model"
-        return cache_dir() / "models" / f"{stem}-{file_sha256(gguf)[:12]}"
+        return cache_dir() / "models" / f"gguf-{file_sha256(gguf_path(cfg))[:16]}"
     return cache_dir() / "models" / cfg.name
 
 
