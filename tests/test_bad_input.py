@@ -151,7 +151,11 @@ CASES = [
     (["model.path=/nonexistent/model"], "model.path", "no such folder"),
     (["model.path={empty_folder}"], "model.path", "no config.json"),
     (["model.path={broken_config}"], "model.path", "does not parse"),
-    (["model.path={model_no_template}"], "model", "chat template"),
+    (["model.path={model_no_template}", "task.chat_template=on"], "task.chat_template", "no chat template"),
+    (["task.chat_template=maybe"], "task.chat_template", "auto, on, off"),
+    (["model.path=null", "model.gguf=/nonexistent/model.gguf"], "model.gguf", "no such file"),
+    (["model.path=null", "model.gguf={model}"], "model.gguf", "a .gguf file"),
+    (["model.gguf=/nonexistent/model.gguf"], "model.gguf", "give either model.path or model.gguf"),
     (["data.root=/nonexistent/data"], "data.root", "not found"),
     (["data.root={regular_file}"], "data.root", "not found"),
     (["data.root={empty_haystack}"], "data.root", "the NIAH haystack essays not found"),
@@ -170,7 +174,8 @@ CASES = [
     (["+method=kivi", "method.zero_point=[1]"], "method.zero_point", "a string"),
     (["+method=kvquant", "method.pre_rope=maybe"], "method.pre_rope", "true or false"),
     (["task.depths=[a]"], "task.depths[0]", "a number"),
-    (["~model.name"], "model.name", "required; give a string"),
+    # with model.path (the other cases' common override) the name comes from the folder instead
+    (["model.path=null", "~model.name"], "model.name", "required; give a string"),
 ]
 if not torch.cuda.is_available():
     CASES.append((["device=cuda"], "device", "auto or cpu"))

@@ -180,8 +180,9 @@ def test_unknown_model_key_is_named():
 )
 def test_config_nodes_validate(node):
     assert node.read_text().startswith("# @package model")
-    cfg = build_config(ModelConfig, OmegaConf.to_container(OmegaConf.load(node)), "model")
+    cfg = build_config(ModelConfig, OmegaConf.to_container(OmegaConf.load(node), resolve=True), "model")
     assert cfg.name == node.stem
+    assert "gguf" in OmegaConf.load(node)  # `model.gguf=...` overrides it without a `+`
     assert cfg.max_context
 
 

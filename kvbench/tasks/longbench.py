@@ -15,10 +15,14 @@ protocol:
    of its first ``max_prompt_tokens // 2`` tokens followed by the text of its last
    ``max_prompt_tokens // 2`` tokens (special tokens skipped), so the instructions at both ends
    survive and the middle of the context is dropped.
-3. **Chat template.** Every task except the few-shot and code tasks (trec, triviaqa, samsum, lsht,
-   lcc, repobench-p) puts the truncated prompt in the model's chat template as one user turn, with
-   the generation prompt appended; those six stay raw text. A tokenizer without a chat template
-   leaves every prompt raw.
+3. **Chat template** (``chat_template``). Every task except the few-shot and code tasks (trec,
+   triviaqa, samsum, lsht, lcc, repobench-p) puts the truncated prompt in the model's chat template
+   as one user turn, with the generation prompt appended; those six stay raw text whatever the
+   setting, as in the official script. ``auto`` (default): the template where the tokenizer has one,
+   else every prompt raw; ``on``: the same, but a tokenizer without a template is an error before the
+   weights load (when any chosen task would use it); ``off``: every prompt raw. Rows record
+   ``prompt_format`` (``chat``/``raw``) and ``chat_template`` (a bool); the metrics' ``prompt_format``
+   is ``chat`` when any prompt went through the template, else ``raw``.
 4. **Greedy decoding** of at most the task's official generation length
    (``<data_root>/longbench/config/dataset2maxlen.json``), stopping at EOS. samsum, as in the
    official script, also stops at the newline token and may not stop on the first token.
@@ -73,6 +77,7 @@ from kvbench.data import parse_json_lines, read_json, read_json_lines, require_f
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Task, TaskConfig, register_task
 from kvbench.tasks.longbench_metrics import CODE_SIM_BACKENDS, score_sample
+from kvbench.tasks.niah import CHAT_TEMPLATE_MODES, prompt_format
 
 # The papers' grouping of the 16 English and code tasks, in LongBench's table order.
 ENGLISH_GROUPS: dict[str, tuple[str, ...]] = {
@@ -142,7 +147,9 @@ class LongBenchConfig(TaskConfig):
     task; ``max_new_tokens_cap`` lowers the official generation lengths (null: the official ones);
     ``code_sim_backend`` is the string matcher of lcc and repobench-p: ``levenshtein`` (default, the
     official scorer with python-Levenshtein installed, and kvbench's scores from the start) or
-    ``difflib`` (the official scorer without it); see :mod:`kvbench.tasks.longbench_metrics`."""
+    ``difflib`` (the official scorer without it); see :mod:`kvbench.tasks.longbench_metrics`.
+    ``chat_template`` (auto, on, off) says when prompts go through the chat template (module doc,
+    step 3)."""
 
     name: str = "longbench"
     version: int = 1
@@ -152,9 +159,11 @@ class LongBenchConfig(TaskConfig):
     limit_per_task: int | None = None
     max_new_tokens_cap: int | None = None
     code_sim_backend: str = "levenshtein"
+    chat_template: str = "auto"
 
     def __post_init__(self):
         super().__post_init__()
+        check_choice("task.chat_template", self.chat_template, CHAT_TEMPLATE_MODES)
         if isinstance(self.tasks, str):  # task.tasks=hotpotqa names one task, task.tasks=zh a set
             self.tasks = list(TASK_SETS.get(self.tasks, [self.tasks]))
         tasks = list(self.tasks) if isinstance(self.tasks, Sequence) else []
@@ -264,8 +273,10 @@ def middle_truncate(tokenizer, prompt: str, budget: int) -> tuple[str, bool]:
     return head + tail, True
 
 
-def uses_chat(task: str, tokenizer) -> bool:
-    return task not in NO_CHAT_TASKS and bool(getattr(tokenizer, "chat_template", None))
+def uses_chat(task: str, tokenizer, mode: str = "auto") -> bool:
+    """Whether ``task``'s prompt goes through the chat template under ``task.chat_template=mode``;
+    ``on`` with a tokenizer that has no template raises a ConfigError for a task that would use it."""
+    return task not in NO_CHAT_TASKS and prompt_format(mode, tokenizer) == "chat"
 
 
 def chat_text(tokenizer, prompt: str) -> str:
@@ -274,18 +285,18 @@ def chat_text(tokenizer, prompt: str) -> str:
     )
 
 
-def encode_prompt(tokenizer, task: str, prompt: str) -> tuple[torch.Tensor, bool]:
+def encode_prompt(tokenizer, task: str, prompt: str, mode: str = "auto") -> tuple[torch.Tensor, bool]:
     """``(input_ids [1, T], chat)``. A chat prompt's special tokens are in its text (so none are
     added); a raw prompt gets the tokenizer's own (a BOS for Llama), as the official script's do."""
-    chat = uses_chat(task, tokenizer)
+    chat = uses_chat(task, tokenizer, mode)
     text = chat_text(tokenizer, prompt) if chat else prompt
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=not chat).input_ids
     return ids, chat
 
 
-def chat_overhead(tokenizer, task: str) -> int:
+def chat_overhead(tokenizer, task: str, mode: str = "auto") -> int:
     """Tokens the chat template adds around a prompt (0 for raw tasks)."""
-    if not uses_chat(task, tokenizer):
+    if not uses_chat(task, tokenizer, mode):
         return 0
     return len(tokenizer(chat_text(tokenizer, ""), add_special_tokens=False).input_ids)
 
@@ -348,13 +359,17 @@ class LongBench(Task):
         return out[: self.config.limit] if self.config.limit else out
 
     def check_model(self, shape, tokenizer) -> None:
-        """Every task's truncated prompt, chat template and official generation must fit the context."""
+        """``task.chat_template=on`` needs a chat template when any chosen task would use it, and every
+        task's truncated prompt, chat template and official generation must fit the context."""
+        mode = self.config.chat_template
+        for task in self.config.tasks:
+            uses_chat(task, tokenizer, mode)  # raises for `on` without a template
         limit = shape.max_context
         if not limit:
             return
         budget = self.config.max_prompt_tokens
         for task in self.config.tasks:
-            gen, extra = self.max_new_tokens(task), chat_overhead(tokenizer, task)
+            gen, extra = self.max_new_tokens(task), chat_overhead(tokenizer, task, mode)
             if budget + extra + gen > limit:
                 raise ConfigError(
                     "task.max_prompt_tokens",
@@ -368,7 +383,7 @@ class LongBench(Task):
         task = sample["longbench_task"]
         prompt = self.protocol()[0][task].format(context=sample["context"], input=sample["input"])
         prompt, truncated = middle_truncate(tokenizer, prompt, self.config.max_prompt_tokens)
-        ids, chat = encode_prompt(tokenizer, task, prompt)
+        ids, chat = encode_prompt(tokenizer, task, prompt, self.config.chat_template)
         return ids, truncated, chat
 
     def score(self, sample: dict[str, Any], prediction: str) -> float:
@@ -405,6 +420,7 @@ class LongBench(Task):
             "answers": sample["answers"],
             "truncated": truncated,
             "chat_template": chat,
+            "prompt_format": "chat" if chat else "raw",
             "subset": self.subset,
             "max_new_tokens": max_new,
             "generated_tokens": gen.new_tokens,
@@ -432,6 +448,7 @@ class LongBench(Task):
             "max_prompt_tokens": self.config.max_prompt_tokens,
             "max_new_tokens_cap": self.config.max_new_tokens_cap,
             "code_sim_backend": self.config.code_sim_backend,
+            "prompt_format": "chat" if any(r.get("chat_template") for r in rows) else "raw",
         }
         if any(t in task_scores for t in CHINESE_TASKS):
             # the segmentation, and so the Chinese scores, follow jieba's dictionary

@@ -13,8 +13,14 @@ depth d) the document is built in tokens of the model's own tokenizer:
 2. Insert the needle at ``d%`` of that span, moved back to the nearest preceding sentence end (a
    ``'.'`` token) so it never splits a sentence: d=0 puts it at the very beginning, d=100 at the very
    end.
-3. Decode back to text and put it in the chat template: a short system instruction, then a user turn
-   holding the document followed by the question, with the generation prompt appended.
+3. Decode back to text and build the prompt (``chat_template``): in the chat template, a short
+   system instruction, then a user turn holding the document followed by the question, with the
+   generation prompt appended; or raw text, the same instruction, document and question followed by
+   an ``Answer:`` cue, tokenized with the tokenizer's own special tokens (a BOS for Llama).
+   ``chat_template: auto`` (default) uses the chat template when the tokenizer has one, else the raw
+   prompt; ``on`` requires one (a tokenizer without it is an error before the weights load); ``off``
+   always writes the raw prompt. Rows and metrics record which was used as ``prompt_format``
+   (``chat`` or ``raw``).
 
 The grid is either the explicit ``context_lengths`` x ``depths`` lists (``grid: explicit``) or
 Kamradt's full grid (``grid: kamradt``): ``num_lengths`` context lengths evenly spaced from
@@ -119,6 +125,36 @@ def build_context(
     return insert_needle(span, needle_ids, depth, periods)
 
 
+CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def prompt_format(mode: str, tokenizer, key: str = "task.chat_template") -> str:
+    """``chat`` or ``raw``: what ``task.chat_template=mode`` (auto, on, off) makes of this tokenizer.
+    ``on`` with a tokenizer that has no chat template is a ConfigError naming ``key``."""
+    if mode == "off":
+        return "raw"
+    if has_chat_template(tokenizer):
+        return "chat"
+    if mode == "on":
+        name = getattr(tokenizer, "name_or_path", None) or "this model"
+        raise ConfigError(
+            key,
+            mode,
+            f"auto or off: the tokenizer of {name} has no chat template (auto uses the raw prompt then)",
+        )
+    return "raw"
+
+
+def raw_prompt(context: str, question: str = QUESTION) -> str:
+    """The prompt as plain text, for a model without a chat template: the instruction, the
+    document, the question, and an answer cue."""
+    return f"{SYSTEM_PROMPT}\n\n{context}\n\nQuestion: {question}\nAnswer:"
+
+
 def chat_prompt(tokenizer, context: str, question: str = QUESTION) -> str:
     """The chat-templated prompt text (special tokens written out), ending with the assistant turn."""
     messages = [
@@ -146,9 +182,11 @@ class NIAHConfig(TaskConfig):
     haystack_order: str = "seeded"
     buffer: int = 200
     max_new_tokens: int = 32
+    chat_template: str = "auto"
 
     def __post_init__(self):
         super().__post_init__()
+        check_choice("task.chat_template", self.chat_template, CHAT_TEMPLATE_MODES)
         require(self.buffer >= 0, "task.buffer", self.buffer, "an int >= 0")
         require(self.max_new_tokens > 0, "task.max_new_tokens", self.max_new_tokens, "a positive int")
         check_choice("task.grid", self.grid, GRIDS)
@@ -235,12 +273,7 @@ class NIAH(Task):
                 too_long,
                 f"the model's context is {limit} tokens; use lengths <= {limit}",
             )
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(
-                "model",
-                getattr(tokenizer, "name_or_path", None),
-                "a model whose tokenizer has a chat template (niah prompts are chat-formatted)",
-            )
+        prompt_format(self.config.chat_template, tokenizer)
 
     def prompt_lengths(self) -> list[int]:
         return list(self.config.context_lengths)
@@ -257,23 +290,38 @@ class NIAH(Task):
             self._haystack = (tokenizer, ids)
         return self._haystack[1]
 
+    def prompt_format(self, tokenizer) -> str:
+        """``chat`` or ``raw`` for this tokenizer under ``task.chat_template``."""
+        return prompt_format(self.config.chat_template, tokenizer)
+
     def build_prompt(self, tokenizer, length: int, depth: float) -> str:
-        """The full chat prompt text for one (context length, depth)."""
+        """The full prompt text for one (context length, depth), in :meth:`prompt_format`."""
         budget = length - self.config.buffer
         needle = tokenizer.encode(NEEDLE, add_special_tokens=False)
         periods = period_ids(tokenizer)
         context = build_context(self.haystack_ids(tokenizer, budget), needle, budget, depth, periods)
-        return chat_prompt(tokenizer, tokenizer.decode(context))
+        document = tokenizer.decode(context)
+        if self.prompt_format(tokenizer) == "chat":
+            return chat_prompt(tokenizer, document)
+        return raw_prompt(document)
+
+    def encode(self, tokenizer, prompt: str) -> torch.Tensor:
+        """``input_ids [1, T]``: a chat prompt holds its special tokens in its text (they parse as
+        such, and none are added); a raw prompt gets the tokenizer's own (a BOS for Llama)."""
+        raw = self.prompt_format(tokenizer) == "raw"
+        return tokenizer(prompt, return_tensors="pt", add_special_tokens=raw).input_ids
 
     def run(self, sample: dict[str, Any], runner) -> dict[str, Any]:
-        prompt = self.build_prompt(runner.tokenizer, sample["context_length"], sample["depth"])
-        input_ids: torch.Tensor = runner.encode(prompt)  # the template's special tokens parse as such
+        tokenizer = runner.tokenizer
+        prompt = self.build_prompt(tokenizer, sample["context_length"], sample["depth"])
+        input_ids = self.encode(tokenizer, prompt)
         gen = runner.generate(input_ids, self.config.max_new_tokens)
         score = needle_recall(gen.text)
         return {
             "prompt_tokens": int(input_ids.shape[1]),
             "prediction": gen.text,
             "score": score,
+            "prompt_format": self.prompt_format(tokenizer),
             "needle_recall": score,
             "context_length": sample["context_length"],
             "depth": sample["depth"],
@@ -284,9 +332,14 @@ class NIAH(Task):
             "decode_s": gen.decode_s,
         }
 
-    def aggregate(self, rows: list[dict[str, Any]]) -> dict[str, float]:
-        """Mean score over all rows, plus the mean per context length as ``score_L{n}``."""
-        out = super().aggregate(rows)
+    def aggregate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """Mean score over all rows, plus the mean per context length as ``score_L{n}``, and the
+        ``prompt_format`` the rows were prompted in (``chat``, ``raw``, or ``mixed`` if a resumed
+        run holds both)."""
+        out: dict[str, Any] = super().aggregate(rows)
+        formats = sorted({r["prompt_format"] for r in rows if r.get("prompt_format")})
+        if formats:
+            out["prompt_format"] = formats[0] if len(formats) == 1 else "mixed"
         by_length: dict[int, list[float]] = {}
         for r in rows:
             if r.get("score") is not None:
