@@ -96,8 +96,8 @@ WIKITEXT_FILE = "wikitext2/wikitext-test.txt"
 C4_SHARD = "c4-validation.00000-of-00008"
 C4_HUB = ("allenai/c4", f"en/{C4_SHARD}.json.gz")
 C4_ACCEPTED = (
-    f"{C4_SHARD} or any one c4-* file ending {', '.join(RECORD_SUFFIXES)} under <data_root>/c4/, "
-    "or task.path=FILE"
+    f"one c4-* file ending {', '.join(RECORD_SUFFIXES)} under <data_root>/c4/ ({C4_SHARD}.* first, "
+    "GPTQ's shard), or task.path=FILE"
 )
 OFFSET_RE = re.compile(r"(tokens|chars):(\d+)")
 OFFSET_ALLOWED = "a token count (an int >= 0), 'tokens:N' or 'chars:N' (N >= 0 characters of the text)"
