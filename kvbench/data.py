@@ -6,8 +6,12 @@ One data root holds every local dataset, in the layout of the shared test data::
     wikitext2/wikitext-test.txt      WikiText-2 test split, one line per row
     wikitext2/wiki.test.raw          WikiText-2 test split, raw
     pg19/<id>.txt                    PG-19 books
+    c4/c4-*.{json.gz,json,jsonl,...} C4 shards (perplexity's c4; see kvbench.tasks.perplexity)
     gsm8k/test.jsonl                 GSM8K
     longbench/...                    LongBench configs and samples
+
+Any other corpus is read from a file named by path (:func:`read_documents`): plain text, JSON
+lines (gzipped or not) or parquet.
 
 The root is ``data.root`` when given, else ``$KVBENCH_DATA_DIR``, else ``$KVBENCH_CACHE_DIR/data``
 (default ``~/.cache/kvbench/data``).
@@ -15,9 +19,12 @@ The root is ``data.root`` when given, else ``$KVBENCH_DATA_DIR``, else ``$KVBENC
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from kvbench.errors import ConfigError
 
@@ -86,15 +93,16 @@ def require_file(root: Path, relpath: str, what: str) -> Path:
     raise missing_file(root, relpath, what)
 
 
-def read_text(path: Path) -> str:
+def read_text(path: Path, key: str = ROOT_KEY) -> str:
     """A data file as UTF-8 text; a file in another encoding is a ConfigError naming it and the
-    first bad byte (a UnicodeDecodeError traceback does not say which file of a folder it was)."""
+    first bad byte (a UnicodeDecodeError traceback does not say which file of a folder it was).
+    ``key`` is the config key that named the file (the data root, or a task's ``path``)."""
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         bad = err.object[err.start : err.start + 1]
         raise ConfigError(
-            ROOT_KEY, str(path), f"a UTF-8 text file; byte {err.start} is {bad!r} (re-save the file as UTF-8)"
+            key, str(path), f"a UTF-8 text file; byte {err.start} is {bad!r} (re-save the file as UTF-8)"
         ) from None
 
 
@@ -122,3 +130,142 @@ def read_json(path: Path):
         return json.loads(read_text(path))
     except json.JSONDecodeError as err:
         raise ConfigError(ROOT_KEY, str(path), f"a JSON file; line {err.lineno}: {err.msg}") from None
+
+
+# --- corpus files named by path ------------------------------------------------------------------
+
+# The formats read_documents reads, by how the file name ends (longest first, case-insensitive):
+# plain text is one document; the others hold one document per row, in one field of it.
+TEXT_SUFFIXES = (".txt",)
+RECORD_SUFFIXES = (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".parquet")
+CORPUS_SUFFIXES = TEXT_SUFFIXES + RECORD_SUFFIXES
+
+
+def corpus_suffix(path: str | os.PathLike[str]) -> str | None:
+    """The format suffix ``path`` ends with (one of CORPUS_SUFFIXES), or None."""
+    name = Path(path).name.lower()
+    return next((s for s in sorted(CORPUS_SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
+
+
+def resolve_corpus_path(path: str, data_root: Path, key: str) -> Path:
+    """A corpus file named by the user: ``~`` expanded; a relative path is looked up in the working
+    directory first, then under the data root. A ConfigError under ``key`` names every place tried."""
+    given = Path(path).expanduser()
+    tried = [given] if given.is_absolute() else [Path.cwd() / given, Path(data_root) / given]
+    for candidate in tried:
+        if candidate.is_file():
+            return candidate.resolve()
+    where = " or ".join(str(p) for p in tried)
+    raise ConfigError(key, path, f"no such file ({where}); give an existing file")
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    """Where a text came from, for the run's record: absolute path, size in bytes and sha256."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {
+        "path": str(Path(path).resolve()),
+        "bytes": Path(path).stat().st_size,
+        "sha256": digest.hexdigest(),
+    }
+
+
+def _field_text(row: Any, field: str, where: str, path: Path, field_key: str) -> str:
+    if not isinstance(row, dict):
+        raise ConfigError(field_key, field, f"{where} of {path} is not a JSON object with fields")
+    if field not in row:
+        fields = ", ".join(map(str, row)) or "none"
+        raise ConfigError(field_key, field, f"no such field in {where} of {path}; its fields are: {fields}")
+    value = row[field]
+    if not isinstance(value, str):
+        raise ConfigError(
+            field_key, field, f"{where} of {path} has {type(value).__name__} there, not a string of text"
+        )
+    return value
+
+
+def _json_line_documents(path: Path, field: str, limit: int | None, key: str, field_key: str) -> list[str]:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    docs: list[str] = []
+    number = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if limit is not None and len(docs) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ConfigError(
+                        key,
+                        str(path),
+                        f"JSON lines, one object per line; line {number} is not JSON ({err.msg})",
+                    ) from None
+                docs.append(_field_text(row, field, f"line {number}", path, field_key))
+    except UnicodeDecodeError as err:
+        raise ConfigError(key, str(path), f"UTF-8 JSON lines; line {number + 1}: {err.reason}") from None
+    except (OSError, EOFError) as err:  # a truncated or mislabelled .gz
+        raise ConfigError(key, str(path), f"a readable {corpus_suffix(path)} file ({err})") from None
+    return docs
+
+
+def _parquet_documents(path: Path, field: str, limit: int | None, key: str, field_key: str) -> list[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(key, str(path), "reading parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises its own error types for a file that is not parquet
+        raise ConfigError(key, str(path), f"a parquet file ({type(err).__name__}: {err})") from None
+    columns = table.schema_arrow.names
+    if field not in columns:
+        raise ConfigError(
+            field_key, field, f"no such column in {path}; its columns are: {', '.join(columns)}"
+        )
+    docs: list[str] = []
+    for batch in table.iter_batches(columns=[field]):
+        for row, value in enumerate(batch.column(0).to_pylist(), len(docs) + 1):
+            if limit is not None and len(docs) >= limit:
+                return docs
+            if not isinstance(value, str):
+                raise ConfigError(
+                    field_key,
+                    field,
+                    f"row {row} of {path} has {type(value).__name__} there, not a string of text",
+                )
+            docs.append(value)
+    return docs
+
+
+def read_documents(
+    path: Path,
+    field: str = "text",
+    limit: int | None = None,
+    key: str = ROOT_KEY,
+    field_key: str = "task.text_field",
+) -> list[str]:
+    """The documents of a corpus file, in file order, by the file's suffix:
+
+    - ``.txt``: the whole file, one document (UTF-8);
+    - ``.jsonl``, ``.json``, ``.jsonl.gz``, ``.json.gz``: JSON lines (C4's shards are named
+      ``.json.gz``), one object per line, the string in its ``field``; blank lines skipped;
+    - ``.parquet``: the string column ``field``, one document per row (needs pyarrow).
+
+    ``limit`` keeps the first N documents and stops reading there. Problems with the file are
+    ConfigErrors under ``key`` (the config key that named it), a missing or non-string field under
+    ``field_key``; each names the file and the line or row.
+    """
+    path = Path(path)
+    suffix = corpus_suffix(path)
+    if suffix is None:
+        raise ConfigError(key, str(path), f"unknown extension; allowed: {', '.join(CORPUS_SUFFIXES)}")
+    if suffix in TEXT_SUFFIXES:
+        return [read_text(path, key)]
+    if suffix == ".parquet":
+        return _parquet_documents(path, field, limit, key, field_key)
+    return _json_line_documents(path, field, limit, key, field_key)

@@ -116,3 +116,59 @@ def test_sandbox_refuses_and_records_reads_under_a_forbidden_folder(tmp_path):
     )
     events = [line.split()[1:] for line in log.read_text().splitlines()]
     assert events == [["open", str(forbidden / "data.txt")], ["os.listdir", str(forbidden)]]
+
+
+# --- corpus files named by path (perplexity's task.dataset=text and C4 shards) ---------------------
+
+
+def test_corpus_suffix_is_the_longest_known_ending_in_any_case():
+    from kvbench.data import corpus_suffix
+
+    assert corpus_suffix("a/b.JSONL.GZ") == ".jsonl.gz"
+    assert corpus_suffix("c4-validation.00000-of-00008.json.gz") == ".json.gz"
+    assert corpus_suffix("book.txt") == ".txt" and corpus_suffix("x.parquet") == ".parquet"
+    assert corpus_suffix("book.txt.bak") is None and corpus_suffix("x.csv") is None
+
+
+def test_read_documents_stops_at_the_limit(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kvbench.data import read_documents
+
+    lines = tmp_path / "d.jsonl"
+    lines.write_text('{"text": "one"}\n\n{"text": "two"}\n{"text": 3}\n')
+    assert read_documents(lines, limit=2) == ["one", "two"]  # the bad third row is never read
+    table = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": ["one", "two", None]}), table, row_group_size=1)
+    assert read_documents(table, limit=2) == ["one", "two"]
+    with pytest.raises(ConfigError, match=r"^task\.text_field='text': row 3 of .* has NoneType"):
+        read_documents(table)
+
+
+def test_read_documents_errors_name_the_key_that_named_the_file(tmp_path):
+    from kvbench.data import read_documents
+
+    broken = tmp_path / "d.json.gz"
+    broken.write_bytes(b"not gzip at all")
+    with pytest.raises(ConfigError) as err:
+        read_documents(broken, key="task.path")
+    assert err.value.key == "task.path" and "a readable .json.gz file" in str(err.value)
+    latin = tmp_path / "d.txt"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"^task\.path=.*byte 3"):
+        read_documents(latin, key="task.path")
+    with pytest.raises(ConfigError, match=r"^data\.root=.*unknown extension; allowed: \.txt"):
+        read_documents(tmp_path / "d.csv")
+
+
+def test_file_record_is_path_size_and_sha256(tmp_path):
+    from kvbench.data import file_record
+
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"abc")
+    assert file_record(path) == {
+        "path": str(path.resolve()),
+        "bytes": 3,
+        "sha256": hashlib.sha256(b"abc").hexdigest(),
+    }

@@ -171,13 +171,15 @@ def test_c4_missing_and_hub_unreachable_is_one_clear_error(tmp_path, monkeypatch
         calls.append(n)
         raise ConnectionError("no network")
 
+    monkeypatch.setattr(ppl_module, "hub_unavailable", lambda: None)  # the probe answered
     monkeypatch.setattr(ppl_module, "hub_c4_documents", unreachable)
     task = perplexity(tmp_path, dataset="c4", c4_documents=5)
     with pytest.raises(ConfigError) as err:
         task.samples()  # before any model work
     assert calls == [5]
     assert err.value.key == "task.dataset" and err.value.value == "c4"
-    assert "c4-validation.00000-of-00008.json.gz" in str(err.value) and "ConnectionError" in str(err.value)
+    assert "c4-validation.00000-of-00008" in str(err.value) and "ConnectionError" in str(err.value)
+    assert ".json.gz" in str(err.value) and ".parquet" in str(err.value) and "task.path" in str(err.value)
     assert "\n" not in str(err.value)
 
 
