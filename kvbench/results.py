@@ -36,6 +36,17 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
+# Keys whose default value reproduces what runs made before the key existed computed.
+INERT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "model": {"gguf": None},
+    "task": {"chat_template": "auto", "path": None, "text_field": "text", "offset": 0, "add_bos": False},
+}
+
+
+def _same(value: Any, default: Any) -> bool:
+    return type(value) is type(default) and value == default
+
+
 def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
     """What the run id hashes: the resolved config minus paths, loggers, the analysis plan and the
     model's scheduler ``resources``.
@@ -51,6 +62,13 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
     if isinstance(core.get("model"), dict) and "resources" in core["model"]:
         # What a scheduler is asked for changes no sample; runs made before the key existed keep their id.
         core["model"] = {k: v for k, v in core["model"].items() if k != "resources"}
+    for node, defaults in INERT_DEFAULTS.items():
+        # keys added after runs were stored: at their default they change no sample, so they are left
+        # out and those runs keep their id (any other value is a different run)
+        if isinstance(core.get(node), dict):
+            core[node] = {
+                k: v for k, v in core[node].items() if not (k in defaults and _same(v, defaults[k]))
+            }
     method = core.get("method") or {"name": "fp16"}
     if "bits" not in method:
         core.pop("bits", None)

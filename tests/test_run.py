@@ -93,6 +93,26 @@ def test_run_id_ignores_paths_but_not_knobs():
     assert run_id(base) != run_id({**base, "task": {"name": "niah", "version": 2}})
 
 
+def test_keys_added_later_keep_old_run_ids_at_their_default_only():
+    old = {"model": {"name": "m"}, "task": {"name": "perplexity", "version": 2}, "method": {"name": "fp16"}}
+    new = {
+        "model": {"name": "m", "gguf": None},
+        "task": {"name": "perplexity", "version": 2, "path": None, "offset": 0, "add_bos": False},
+        "method": {"name": "fp16"},
+    }
+    assert run_id(old) == run_id(new)
+    for key, value in (("offset", "chars:10"), ("add_bos", True), ("path", "book.txt"), ("offset", False)):
+        changed = {**new, "task": {**new["task"], key: value}}
+        assert run_id(changed) != run_id(old), key
+    niah = {
+        "model": {"name": "m"},
+        "task": {"name": "niah", "chat_template": "auto"},
+        "method": {"name": "fp16"},
+    }
+    assert run_id(niah) == run_id({**niah, "task": {"name": "niah"}})
+    assert run_id(niah) != run_id({**niah, "task": {"name": "niah", "chat_template": "off"}})
+
+
 def test_run_id_ignores_the_analysis_plan():
     base = {
         "model": {"name": "m"},
