@@ -76,7 +76,7 @@ def test_installed_package_holds_the_configs(installed, tmp_path):
 @pytest.mark.install
 def test_installed_cli_composes_the_config_outside_the_checkout(installed, tmp_path):
     python, env = installed
-    args = [python, "-m", "kvbench", "+method=kivi", "bits=2", "--cfg", "job"]
+    args = [python, "-m", "kvbench", "+method=kivi", "bits=2", "--cfg", "job", "--resolve"]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
