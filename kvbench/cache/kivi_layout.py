@@ -36,7 +36,8 @@ class KIVILayout(CompositeLayer):
     """``key_levels``/``value_levels``: level counts; ``group_size``: tokens per key group;
     ``value_group``: channels per value group (KIVI: ``group_size``; None: the whole head);
     ``zero_point``: the user's choice, resolved per level count
-    (:func:`~kvbench.quant.affine.zero_point_for`)."""
+    (:func:`~kvbench.quant.affine.zero_point_for`); ``arithmetic``: how the affine map is computed
+    (:data:`~kvbench.quant.affine.ARITHMETICS`: kvbench's ``fp32`` or KIVI's released ``kivi``)."""
 
     def __init__(
         self,
@@ -49,16 +50,18 @@ class KIVILayout(CompositeLayer):
         zero_point: str,
         fp_dtype: torch.dtype,
         backend: str = "torch",
+        arithmetic: str = "fp32",
     ):
         super().__init__(layer_idx)
         self.backend = backend
         self._before: tuple | None = None  # the stores before this forward's append (fused path)
         self.group, self.residual = group_size, residual
+        zk, zv = zero_point_for(zero_point, key_levels), zero_point_for(zero_point, value_levels)
         self.kq = QuantizedTokens(
-            key_levels, "channel", group_size, zero_point_for(zero_point, key_levels), backend=backend
+            key_levels, "channel", group_size, zk, backend=backend, arithmetic=arithmetic
         )
         self.vq = QuantizedTokens(
-            value_levels, "token", value_group, zero_point_for(zero_point, value_levels), backend=backend
+            value_levels, "token", value_group, zv, backend=backend, arithmetic=arithmetic
         )
         self.k_res = FullPrecisionTokens(fp_dtype)
         self.v_res = FullPrecisionTokens(fp_dtype)

@@ -37,18 +37,21 @@ class QuantizedTokens:
         axis: str,
         group_size: int | None,
         zero_point: str = "minmax",
-        param_dtype: torch.dtype = torch.float16,
+        param_dtype: torch.dtype | None = torch.float16,
         backend: str = "torch",
+        arithmetic: str = "fp32",
     ):
         if axis not in ("token", "channel"):
             raise ValueError(f"axis must be 'token' or 'channel', got {axis!r}")
         self.levels, self.axis, self.group_size = levels, axis, group_size
         self.zero_point, self.param_dtype = zero_point, param_dtype
-        self.backend = backend
+        self.backend, self.arithmetic = backend, arithmetic
         rows = group_size if axis == "channel" and group_size else 1
+        # KIVI's arithmetic keeps its parameters in the input's dtype: the buffers take the first one's
+        kept = None if arithmetic == "kivi" else param_dtype
         self._codes = GrowableTokens(torch.uint8)
-        self._scale = GrowableTokens(param_dtype, tokens_per_row=rows)
-        self._zero = GrowableTokens(param_dtype, tokens_per_row=rows)
+        self._scale = GrowableTokens(kept, tokens_per_row=rows)
+        self._zero = GrowableTokens(kept, tokens_per_row=rows)
         self.num_tokens = 0
         self.head_dim = 0
 
@@ -63,6 +66,7 @@ class QuantizedTokens:
             self.group_size,
             zero_point=self.zero_point,
             param_dtype=self.param_dtype,
+            arithmetic=self.arithmetic,
         )
         packed = pack(codes, self.levels)
         self.head_dim = x.shape[-1]

@@ -5,9 +5,18 @@ Quantizer (KIVI Sec. 3, the asymmetric map also quoted in SpeCache Sec. 4.3):
 
     Q(X) = round((X - z_X) / s_X),  X' = Q(X) * s_X + z_X,  z_X = min X,  s_X = (max X - min X) / (2^B - 1)
 
-with round half up. ``zero_point=specache`` replaces it at 1 bit by SpeCache's (ICML 2025, Sec. 4.3)
-z_X = (3 min X + max X) / 4, s_X = (max X - min X) / 2, so the two codes reconstruct the midpoints
-of the lower and upper half of [min, max]; at more bits KIVI's map is kept.
+computed as KIVI's released code computes it (``arithmetic=kivi``, the default): in the dtype of the
+stored full-precision tokens (``fp_dtype``, fp16 by default), the scale rounded once, ``(X - z_X) /
+s_X`` clamped to [0, 2^B - 1] and rounded half to even, scale and minimum stored in that dtype, so
+the codes equal the reference's bit for bit (``tests/methods/test_kivi_exact.py``). The one
+difference is deliberate: a constant group, which the reference divides 0 by 0 in, gets code 0,
+scale 0 and its exact minimum. ``arithmetic=fp32`` is kvbench's general affine quantizer instead
+(float32, round half up, fp16 parameters rounded before the codes are computed against them, so the
+stored parameters reconstruct exactly what was quantized); it differs from the reference by one code
+on a few values per thousand and is the arithmetic OTT, SpeCache and ``uniform`` use.
+``zero_point=specache`` (which needs ``arithmetic=fp32``) replaces it at 1 bit by SpeCache's
+(ICML 2025, Sec. 4.3) z_X = (3 min X + max X) / 4, s_X = (max X - min X) / 2, so the two codes
+reconstruct the midpoints of the lower and upper half of [min, max]; at more bits KIVI's map is kept.
 
 Layout and streaming rules (KIVI Sec. 3.2, Algorithm 1): keys per channel over groups of G
 consecutive tokens, values per token over groups of G channels, a full-precision residual of up to R
@@ -23,15 +32,29 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvbench.cache.kivi_layout import KIVILayout
+from kvbench.config import check_choice, require
 from kvbench.methods.affine_base import AffineKVConfig, kv_bits_label
 from kvbench.methods.base import Method, register_method
+from kvbench.quant.affine import ARITHMETICS
 
 
 @dataclass
 class KIVIConfig(AffineKVConfig):
     name: str = "kivi"
+    arithmetic: str = "kivi"
 
     default_bits: ClassVar[float] = 2.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("method.arithmetic", self.arithmetic, ARITHMETICS)
+        require(
+            self.arithmetic == "fp32" or self.zero_point == "minmax",
+            "method.zero_point",
+            self.zero_point,
+            "minmax with method.arithmetic=kivi (KIVI's released arithmetic); specache needs "
+            "method.arithmetic=fp32",
+        )
 
 
 @register_method("kivi")
@@ -39,8 +62,10 @@ class KIVI(Method):
     Config = KIVIConfig
 
     def make_layer(self, layer_idx, shape, model_dtype):
-        return KIVILayout(layer_idx, **self.config.layout(self.config.torch_fp_dtype(model_dtype)))
+        layout = self.config.layout(self.config.torch_fp_dtype(model_dtype))
+        return KIVILayout(layer_idx, **layout, arithmetic=self.config.arithmetic)
 
     def base_label(self) -> str:
         zp = "-specache0" if self.config.zero_point == "specache" else ""
-        return f"kivi-{kv_bits_label(self.config)}{zp}"
+        fp32 = "-fp32" if self.config.arithmetic == "fp32" else ""
+        return f"kivi-{kv_bits_label(self.config)}{zp}{fp32}"

@@ -160,13 +160,28 @@ def _from_groups(xg: torch.Tensor, axis: str) -> torch.Tensor:
     return xg.transpose(-1, -2).flatten(-3, -2)
 
 
+# How the affine map's arithmetic is carried out (``quantize_grouped(..., arithmetic=)``):
+#
+# - ``fp32`` (kvbench's own): min, max, scale and codes in float32, round half up
+#   (``floor(y + 0.5)``), scale and zero rounded to ``param_dtype`` (fp16) *before* the codes are
+#   computed against them, so the stored parameters reconstruct exactly what was quantized.
+# - ``kivi`` (KIVI's released code, its ``quant_and_pack_kcache``/``_vcache`` arithmetic):
+#   everything in the input's dtype: ``s = (max - min) / (L - 1)``, then ``(x - min) / s``, clamped
+#   to ``[0, L - 1]`` and rounded half to even (``torch.round``); scale and minimum stored in the
+#   input's dtype (fp16 in, fp16 out; fp32 in, fp32 out). One deliberate difference: a constant group
+#   (max = min) divides 0 by 0 there; here it gets code 0, scale 0 and its exact minimum, as in
+#   ``fp32``.
+ARITHMETICS = ("fp32", "kivi")
+
+
 def quantize_grouped(
     x: torch.Tensor,
     levels: int,
     axis: str,
     group_size: int | None,
     zero_point: str = "minmax",
-    param_dtype: torch.dtype = torch.float16,
+    param_dtype: torch.dtype | None = torch.float16,
+    arithmetic: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x: [..., T, D]`` in KIVI's grouped layouts.
 
@@ -179,15 +194,42 @@ def quantize_grouped(
     computed, and the codes are computed against the rounded values, so dequantizing the stored
     ``(codes, scale, zero)`` is exactly this quantizer's reconstruction.
 
+    ``arithmetic="kivi"`` follows KIVI's released code instead (see :data:`ARITHMETICS`): the input's
+    dtype throughout, round half to even, parameters returned in the input's dtype (``param_dtype``
+    is ignored); only ``zero_point="minmax"`` exists there.
+
     Returns:
         ``(codes, scale, zero)``: codes uint8 ``[..., T, D]`` (one code per byte, unpacked), scale and
         zero in ``param_dtype`` with the shapes above.
     """
+    if arithmetic not in ARITHMETICS:
+        raise ConfigError("arithmetic", arithmetic, "one of " + ", ".join(ARITHMETICS))
+    if arithmetic == "kivi":
+        return _quantize_grouped_kivi(x, levels, axis, group_size, zero_point)
     xg = _to_groups(x, axis, group_size).float()
     scale, zero = affine_params(xg, levels, zero_point)
     scale, zero = scale.to(param_dtype), zero.to(param_dtype)
     codes = quantize(xg, scale, zero, levels)
     return _from_groups(codes, axis), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def _quantize_grouped_kivi(
+    x: torch.Tensor, levels: int, axis: str, group_size: int | None, zero_point: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_levels(levels)
+    if zero_point != "minmax":
+        raise ConfigError("zero_point", zero_point, "minmax (KIVI's released arithmetic has no other)")
+    if not x.is_floating_point():
+        raise ValueError(f"expected a float tensor, got {x.dtype}")
+    xg = _to_groups(x, axis, group_size)
+    lo = xg.amin(dim=-1, keepdim=True)
+    hi = xg.amax(dim=-1, keepdim=True)
+    scale = (hi - lo) / (levels - 1)  # in x's dtype, rounded once, as the released code does
+    flat = scale == 0
+    y = (xg - lo) / torch.where(flat, torch.ones_like(scale), scale)
+    q = torch.round(y.clamp(0, levels - 1))  # clamp, then round half to even
+    q = torch.where(flat, torch.zeros_like(q), q)
+    return _from_groups(q.to(torch.uint8), axis), scale.squeeze(-1), lo.squeeze(-1)
 
 
 def dequantize_grouped(
@@ -220,8 +262,9 @@ def fake_quantize_grouped(
     axis: str,
     group_size: int | None,
     zero_point: str = "minmax",
-    param_dtype: torch.dtype = torch.float16,
+    param_dtype: torch.dtype | None = torch.float16,
+    arithmetic: str = "fp32",
 ) -> torch.Tensor:
     """Quantize then dequantize: float32 ``[..., T, D]``, what attention would see from the cache."""
-    codes, scale, zero = quantize_grouped(x, levels, axis, group_size, zero_point, param_dtype)
+    codes, scale, zero = quantize_grouped(x, levels, axis, group_size, zero_point, param_dtype, arithmetic)
     return dequantize_grouped(codes, scale, zero, axis, group_size)

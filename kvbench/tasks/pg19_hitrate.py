@@ -380,6 +380,7 @@ def layer_hit_rates(cap: Captured, layer: int, cfg: HitRateConfig) -> dict[str, 
         "residual": cfg.spec_residual,
         "zero_point": cfg.spec_zero_point,
         "fp_dtype": "auto",
+        "arithmetic": "fp32",  # SpeCache's low-bit copy: kvbench's affine map, as the specache method
     }
     low, flushed = kivi_lowbit_keys(keys, cap.values[layer], kivi, start)  # flushed: [M]
     sq = cap.spec_queries[layer].float()  # [H, M, D]

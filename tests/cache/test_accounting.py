@@ -55,7 +55,7 @@ def test_fractional_bits_are_packed_base_L():
         {"name": "uniform", "bits": 2},
         {"name": "uniform", "bits": 1.585, "key_axis": "channel"},
         {"name": "kivi", "bits": 2},
-        {"name": "kivi", "bits": 1, "zero_point": "specache"},
+        {"name": "kivi", "bits": 1, "zero_point": "specache", "arithmetic": "fp32"},
     ],
 )
 def test_quantizing_methods_hold_less_than_fp16(node):

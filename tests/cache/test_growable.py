@@ -151,9 +151,11 @@ def test_every_store_appends_in_amortized_time_over_10000_single_token_appends()
     from kvbench.methods import ModelShape, build_method
 
     shape = ModelShape(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32)
-    layer = build_method({"name": "kivi", "bits": 2, "group_size": 32, "residual": 64}).new_cache(
-        shape, torch.float32
-    ).layers[0]
+    layer = (
+        build_method({"name": "kivi", "bits": 2, "group_size": 32, "residual": 64})
+        .new_cache(shape, torch.float32)
+        .layers[0]
+    )
     x = torch.randn(2, 1, 1, 10_000, 32)
     for t in range(10_000):
         layer.update(x[0, :, :, t : t + 1], x[1, :, :, t : t + 1])

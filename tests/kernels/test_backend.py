@@ -22,7 +22,7 @@ def filled_layer(node, k, v, prefill):
     "node",
     [
         {"name": "kivi", "bits": 2, "residual": 64},
-        {"name": "kivi", "bits": 1, "zero_point": "specache", "residual": 32},
+        {"name": "kivi", "bits": 1, "zero_point": "specache", "arithmetic": "fp32", "residual": 32},
         {"name": "uniform", "bits": 2.322, "key_axis": "channel"},
     ],
 )

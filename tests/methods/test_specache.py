@@ -278,7 +278,10 @@ def test_model_full_k_equals_fp16_and_k0_equals_kivi(default_model, prompt):
     assert exact.token_ids == want.token_ids
     # k = 0: the low-bit cache alone, i.e. KIVI-1 with the same residual, token for token
     k0 = runner(default_model, {"name": "specache", "topk": 0}).generate(prompt, n)
-    kivi = runner(default_model, {"name": "kivi", "bits": 1, "zero_point": "specache", "residual": 64})
+    kivi = runner(
+        default_model,
+        {"name": "kivi", "bits": 1, "zero_point": "specache", "arithmetic": "fp32", "residual": 64},
+    )
     kivi_out = kivi.generate(prompt, n)
     assert k0.token_ids == kivi_out.token_ids
     assert k0.memory.device_bytes == kivi_out.memory.total_bytes  # same low-bit copy, nothing fetched
