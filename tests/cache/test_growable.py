@@ -168,3 +168,34 @@ def test_every_store_appends_in_amortized_time_over_10000_single_token_appends()
     report = memory_report([layer])
     held = report.total_bytes
     assert held < report.reserved_bytes <= 2 * held + 4096  # spare capacity, reported apart
+
+
+def test_every_store_follows_the_storage_protocol():
+    from kvbench.cache.dense_sparse import DenseSparseTokens
+    from kvbench.cache.fp import FullPrecisionTokens
+    from kvbench.cache.quantized import QuantizedTokens
+    from kvbench.cache.rotated import HeadRotations, RotatedCodes
+    from kvbench.cache.store import CodeStore, Store
+
+    x = torch.randn(1, 2, 64, 32)
+    stores = [
+        QuantizedTokens(4, "channel", 32),
+        QuantizedTokens(3, "token", 16),
+        RotatedCodes(4, HeadRotations(0, 0)),
+        DenseSparseTokens(4, torch.linspace(-1, 1, 4), 0.05),
+    ]
+    for store in stores:
+        assert isinstance(store, CodeStore)
+        store.append(x)
+        assert len(store) == 64 and store.source().num_tokens == 64
+        held = sum(t.numel() * t.element_size() for ts in store.held_tensors().values() for t in ts)
+        assert held <= store.bytes_reserved() <= 2 * held + 4096
+        # the source is a view: later appends do not change what it reads
+        before = store.source()
+        first = before.read(0, 64)
+        store.append(torch.randn(1, 2, 64, 32))
+        assert len(store) == 128 and torch.equal(before.read(0, 64), first)
+    window = FullPrecisionTokens(torch.float16)
+    assert isinstance(window, Store) and not isinstance(window, CodeStore)
+    window.append(x)
+    assert torch.equal(window.source().read(0, 64), x.half().float())
