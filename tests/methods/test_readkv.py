@@ -12,6 +12,7 @@ from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape, build_method
 from kvbench.methods.readkv import budgets, grouped_codes, query_adaptive_attention
 from kvbench.quant.affine import dequantize_grouped, fake_quantize_grouped, quantize_grouped
+from kvbench.quant.packing import unpack
 from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
 
 SHAPE = ModelShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64)
@@ -182,3 +183,40 @@ def test_default_read_bits_and_label():
     method = build_method({"name": "readkv"})
     assert (method.config.bits, method.config.read_bits) == (8.0, 4.0)
     assert method.label() == "readkv-4of8b"
+
+
+@pytest.mark.parametrize("block_size", [32, 96, 4096])
+def test_blockwise_read_from_packed_stores_equals_the_dense_read(block_size):
+    """The layer's read (two passes over the packed stores, one block of prefix reconstructions at
+    a time) equals the dense function over fully expanded codes, read bits included."""
+    from kvbench.cache.quantized import QuantizedTokens
+    from kvbench.methods.readkv import PackedStore, blockwise_query_adaptive_attention
+
+    torch.manual_seed(3)
+    t, d, bits, scaling = 256, 64, 8, 1 / 8
+    k, v = torch.randn(1, 2, t, d) * torch.linspace(0.5, 4, d), torch.randn(1, 2, t, d)
+    kq, vq = QuantizedTokens(2**bits, "channel", 32), QuantizedTokens(2**bits, "token", 32)
+    kq.append(k)
+    vq.append(v)
+    q = torch.randn(1, 2, 6, d)
+    exact_k, exact_v = torch.randn(1, 2, 3, d), torch.randn(1, 2, 3, d)
+    mask = torch.zeros(1, 2, 6, t + 3)
+    mask[..., [5, 77, t + 2]] = float("-inf")
+    kb, vb = budgets(3, 0.5, d, t)
+    dense = query_adaptive_attention(
+        q,
+        grouped_codes(unpack(kq.codes, 2**bits, d), kq.scale, kq.zero, "channel", 32),
+        grouped_codes(unpack(vq.codes, 2**bits, d), vq.scale, vq.zero, "token", 32),
+        bits,
+        kb,
+        vb,
+        scaling,
+        exact_k,
+        exact_v,
+        mask,
+    )
+    blockwise = blockwise_query_adaptive_attention(
+        q, PackedStore.of(kq), PackedStore.of(vq), bits, kb, vb, scaling, exact_k, exact_v, mask, block_size
+    )
+    torch.testing.assert_close(blockwise[0], dense[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(blockwise[1], dense[1]) and torch.equal(blockwise[2], dense[2])  # same prefix bits
