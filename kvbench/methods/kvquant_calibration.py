@@ -100,7 +100,7 @@ def calibration_file(data_root, source: str = "wikitext2") -> Path:
         raise ConfigError(
             "data.root",
             str(data_root),
-            f"kvquant calibration ({DATA_KEY}={source}) needs one of {', '.join(names)} there; set "
+            f"kvquant calibration needs one of {', '.join(names)} there ({DATA_KEY}={source}); set "
             f"data.root, {DATA_KEY}=/path/to/text.txt, or method.calibrate=false",
         )
     try:
