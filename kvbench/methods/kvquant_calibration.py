@@ -186,7 +186,7 @@ def calibrate(model, tokenizer, shape, data_root, c) -> list[LayerCalibration]:
     windows = [w for w in windows if len(w) > c.sink_tokens]
     bar = tqdm(
         windows,
-        desc=f"kvquant calibration ({source}, {len(ids)} tokens)",
+        desc=f"kvquant calibration ({Path(source).name}, {len(ids)} tokens)",
         unit="window",
         file=sys.stderr,
     )
