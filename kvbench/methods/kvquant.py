@@ -7,7 +7,7 @@ Components (each switchable for the ablation):
   calibrated offline; values use a range computed online for every token.
 - Pre-RoPE keys (Sec. 3.2, ``pre_rope``): the cache receives post-RoPE keys; token ``p`` (its
   absolute position, the number of tokens the layer saw before it) is rotated back by ``-p w``
-  (:func:`kvbench.quant.rope.invert_rope`), quantized, and rotated by ``+p w`` again after
+  (:func:`kvbench.quant.rope.rotate` with ``inverse=True``), quantized, and rotated by ``+p w`` again after
   dequantization when read. ``false`` quantizes the post-RoPE keys. Each layer uses its own RoPE
   (``ModelShape.rope``, :class:`kvbench.quant.rope.RoPESpec`: the inverse frequencies transformers
   computes for that layer's type and parameters, per layer type on Gemma-3); the types whose
@@ -127,7 +127,10 @@ class KVQuantConfig(MethodConfig):
 
 class KVQuantLayer(KVLayer):
     """``position_offset``: absolute position of the first token this layer stores (the sink
-    tokens held in front of it by :class:`SinkLayer` come first)."""
+    tokens held in front of it by :class:`SinkLayer` come first). ``rope``: the layer's own RoPE
+    (:func:`kvbench.quant.rope.layer_rope`). A stored token's position is the number of tokens
+    stored before it, so the layer must see every token (one behind a window that drops tokens
+    would need the dropped count added)."""
 
     def __init__(
         self,
@@ -241,7 +244,7 @@ class KVQuant(Method):
         self.calibration: list[LayerCalibration] | None = None
 
     def prepare(self, model, tokenizer, shape, data_root) -> None:
-        # the RoPE checks ran in check_model, on the shape read from the config
+        self.config.check_model(shape)  # the runner checked already; cheap, for direct callers
         if self.config.calibrate:
             self.calibration = self.calibrate(model, tokenizer, shape, data_root)
 
