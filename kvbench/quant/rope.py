@@ -52,7 +52,7 @@ def inv_freq(dim: int, theta: float, device: torch.device | str | None = None) -
 class RoPESpec:
     """One layer's rotary embedding, as transformers computes it for that layer.
 
-    ``inv_freq``: the float32 inverse frequencies ``[rotary_dim / 2]`` (held as Python floats so the
+    ``inv_freq``: the float32 inverse frequencies ``[dim / 2]`` (held as Python floats so the
     spec is hashable; each converts back to the same float32), None when they could not be computed
     (``problem`` says why). ``attention_scaling`` multiplies cos and sin (1 for the static types).
     A partial rotation (``partial_rotary_factor < 1``) has fewer than ``head_dim / 2`` frequencies.
