@@ -7,9 +7,13 @@ Components (each switchable for the ablation):
   calibrated offline; values use a range computed online for every token.
 - Pre-RoPE keys (Sec. 3.2, ``pre_rope``): the cache receives post-RoPE keys; token ``p`` (its
   absolute position, the number of tokens the layer saw before it) is rotated back by ``-p w``
-  (:func:`kvbench.quant.rope.invert_rope`), quantized, and rotated by ``+p w`` again after
-  dequantization when read. ``false`` quantizes the post-RoPE keys. Only default-type RoPE
-  (``theta`` from ``ModelShape.rope_theta``) is supported.
+  (:func:`kvbench.quant.rope.rotate` with ``inverse=True``), quantized, and rotated by ``+p w`` again after
+  dequantization when read. ``false`` quantizes the post-RoPE keys. Each layer uses its own RoPE
+  (``ModelShape.rope``, :class:`kvbench.quant.rope.RoPESpec`: the inverse frequencies transformers
+  computes for that layer's type and parameters, per layer type on Gemma-3); the types whose
+  rotation is the same at every step are supported (default, linear, llama3). ``dynamic``/``longrope``
+  (frequencies that change with the sequence length), ``yarn`` (scaled cos/sin), partial RoPE and
+  models without RoPE are refused by ``check_model``, before the weights load.
 - Non-uniform datatype (Sec. 3.3, ``datatype``): ``nuq`` uses one codebook of 2^b signposts per
   layer for keys and one for values, 1-D k-means of the calibration values normalized to [-1, 1] by
   their own range (:mod:`kvbench.quant.nuq`). The paper weights the k-means objective by Fisher
@@ -23,9 +27,11 @@ Components (each switchable for the ablation):
 - Attention sink (Sec. 3.5, ``sink``): the first token is kept in fp16 (``sink_tokens = 1``,
   :class:`kvbench.cache.sink.SinkLayer`) and left out of calibration.
 - Offline calibration (Sec. 3.6, ``calibrate``): :meth:`KVQuant.prepare` runs the model over
-  the last ``calibration_tokens`` tokens of WikiText-2 test (windows of 512; the paper uses the train
-  split, absent here, and the perplexity task scores the start of test), capturing k_proj/v_proj outputs
-  (pre-RoPE keys; RoPE is applied for ``pre_rope: false``); the pipeline is
+  the last ``calibration_tokens`` tokens of ``calibration_data`` (default ``wikitext2``: WikiText-2
+  test under the data root; or a text file; windows of 512; the paper uses the train split, absent
+  here, and the perplexity task scores the start of test), capturing k_proj/v_proj outputs (pre-RoPE
+  keys, after k_norm where the model has one; each layer's RoPE is applied for ``pre_rope: false``),
+  with a progress bar; the pipeline is
   :mod:`kvbench.methods.kvquant_calibration`. ``false`` computes the same statistics from the
   layer's first stored block (the prompt) instead, frozen afterwards.
 
@@ -54,7 +60,7 @@ from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, register_method
 from kvbench.methods.kvquant_calibration import LayerCalibration, calibrate, calibrate_layer
 from kvbench.quant.blockwise import RoPESource
-from kvbench.quant.rope import cos_sin, rotate
+from kvbench.quant.rope import RoPESpec, layer_rope, pre_rope_problem, rotate
 
 DATATYPES = ("nuq", "uniform")
 
@@ -70,6 +76,7 @@ class KVQuantConfig(MethodConfig):
     sink: bool = True
     calibrate: bool = True
     calibration_tokens: int = 2048
+    calibration_data: str = "wikitext2"
     sensitivity_weighted: bool = False
 
     backends: ClassVar[tuple[str, ...]] = ("torch",)
@@ -99,52 +106,61 @@ class KVQuantConfig(MethodConfig):
             n,
             "an integer >= 2",
         )
+        require(
+            isinstance(self.calibration_data, str) and self.calibration_data.strip() != "",
+            "method.calibration_data",
+            self.calibration_data,
+            "a calibration dataset name (wikitext2) or the path of a text file",
+        )
         if self.sink:
             self.sink_tokens = max(self.sink_tokens, 1)
         self.resolve_kv_bits()
 
     def check_model(self, shape):
         if self.pre_rope:
+            problem = pre_rope_problem(shape)
             require(
-                shape.rope_theta is not None,
-                "method.pre_rope",
-                self.pre_rope,
-                "the model reports no rope_theta (default-type RoPE needed); set method.pre_rope=false",
+                problem is None, "method.pre_rope", self.pre_rope, f"{problem}; set method.pre_rope=false"
             )
         require(shape.head_dim % 2 == 0, "method.pre_rope", self.pre_rope, "needs an even head_dim")
 
 
 class KVQuantLayer(KVLayer):
     """``position_offset``: absolute position of the first token this layer stores (the sink
-    tokens held in front of it by :class:`SinkLayer` come first)."""
+    tokens held in front of it by :class:`SinkLayer` come first). ``rope``: the layer's own RoPE
+    (:func:`kvbench.quant.rope.layer_rope`). A stored token's position is the number of tokens
+    stored before it, so the layer must see every token (one behind a window that drops tokens
+    would need the dropped count added)."""
 
     def __init__(
         self,
         layer_idx: int,
         cfg: KVQuantConfig,
         calibration: LayerCalibration | None,
-        theta: float | None,
+        rope: RoPESpec | None,
         position_offset: int = 0,
     ):
         super().__init__(layer_idx)
-        self.cfg, self.calibration, self.theta = cfg, calibration, theta
+        self.cfg, self.calibration, self.rope = cfg, calibration, rope
         self.offset = position_offset
         self.k_levels, self.v_levels = cfg.levels(cfg.key_bits), cfg.levels(cfg.value_bits)
         self.kq: DenseSparseTokens | None = None
         self.vq: DenseSparseTokens | None = None
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
-        if cfg.pre_rope and theta is None:
+        problem = "has no RoPE" if rope is None else rope.pre_rope_problem()
+        if cfg.pre_rope and problem is not None:
             raise ConfigError(
-                "method.pre_rope", True, "needs the model's rope_theta; set method.pre_rope=false"
+                "method.pre_rope", True, f"layer {layer_idx} {problem}; set method.pre_rope=false"
             )
 
     def _cos_sin(self, start: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[n, D]`` of the stored tokens ``start .. start + n - 1`` (absolute positions
-        ``offset + start ..``), from a table grown by doubling (read runs every decode step)."""
+        ``offset + start ..``) with the layer's own frequencies, from a table grown by doubling
+        (read runs every decode step)."""
         end = self.offset + start + n
         if self._table is None or self._table[0].shape[0] < end or self._table[0].device != like.device:
             size = max(end, 2 * (0 if self._table is None else self._table[0].shape[0]))
-            self._table = cos_sin(torch.arange(size, device=like.device), like.shape[-1], self.theta)
+            self._table = self.rope.cos_sin(torch.arange(size, device=like.device))
         cos, sin = self._table
         return cos[end - n : end], sin[end - n : end]
 
@@ -185,7 +201,8 @@ class KVQuantLayer(KVLayer):
         if self.cfg.pre_rope:
             like = torch.empty(0, self.kq.shape[2], device=keys.codes.device)  # device and head dim
             self._cos_sin(0, self.num_tokens, like)  # grows the table over every stored position
-            keys = RoPESource(keys, self.theta, first_position=self.offset, table=self._table)
+            # the table always covers the stored keys, so RoPESource never computes default-type angles
+            keys = RoPESource(keys, None, first_position=self.offset, table=self._table)
         return StoredTokens(keys, self.vq.source())
 
     def bytes_reserved(self):
@@ -227,19 +244,8 @@ class KVQuant(Method):
         self.calibration: list[LayerCalibration] | None = None
 
     def prepare(self, model, tokenizer, shape, data_root) -> None:
-        c = self.config
-        text_config = model.config.get_text_config()
-        params = getattr(text_config, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
-        partial = params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0
-        if c.pre_rope and (rope_type != "default" or partial != 1.0):
-            raise ConfigError(
-                "method.pre_rope",
-                c.pre_rope,
-                f"only default-type full RoPE is supported (model has rope_type={rope_type!r}, "
-                f"partial_rotary_factor={partial}); set method.pre_rope=false",
-            )
-        if c.calibrate:
+        self.config.check_model(shape)  # the runner checked already; cheap, for direct callers
+        if self.config.calibrate:
             self.calibration = self.calibrate(model, tokenizer, shape, data_root)
 
     def calibrate(self, model, tokenizer, shape, data_root) -> list[LayerCalibration]:
@@ -247,7 +253,8 @@ class KVQuant(Method):
 
     def make_layer(self, layer_idx, shape, model_dtype):
         cal = self.calibration[layer_idx] if self.calibration is not None else None
-        return KVQuantLayer(layer_idx, self.config, cal, shape.rope_theta, self.config.sink_tokens)
+        rope = layer_rope(shape, layer_idx)
+        return KVQuantLayer(layer_idx, self.config, cal, rope, self.config.sink_tokens)
 
     def base_label(self) -> str:
         c = self.config

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from kvbench.quant.rope import RoPESpec, rope_specs
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,9 @@ class ModelShape:
     head_dim: int
     max_context: int | None = None
     rope_theta: float | None = None
+    # per-layer RoPE (None entries: layers without RoPE), read from the config; None for a shape built
+    # by hand (then rope_theta, if any, means default-type RoPE). Derived, so left out of == and repr.
+    rope: tuple[RoPESpec | None, ...] | None = field(default=None, compare=False, repr=False)
 
 
 def model_shape(model: torch.nn.Module, max_context: int | None = None) -> ModelShape:
@@ -38,6 +43,7 @@ def shape_of_config(config: Any, max_context: int | None = None) -> ModelShape:
         head_dim=head_dim,
         max_context=max_context or getattr(config, "max_position_embeddings", None),
         rope_theta=_rope_theta(config),
+        rope=rope_specs(config),
     )
 
 

@@ -12,6 +12,7 @@ from kvbench.cache.dense_sparse import DenseSparseTokens
 from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape, build_method
 from kvbench.methods.kvquant_calibration import LayerCalibration, calibrate_layer
+from kvbench.models import shape_of_config
 from kvbench.quant.nuq import channel_thresholds, kmeans_1d, nearest_code, topk_outlier_mask
 from kvbench.quant.rope import apply_rope, invert_rope
 
@@ -295,13 +296,27 @@ def test_prepare_calibrates_from_pre_rope_k_proj_outputs(tmp_path):
     assert torch.equal(cal.key_scale, ((keys.amax(0) - keys.amin(0)) / 2).half())
     assert len(method.calibration) == 2 and cal.key_codebook.shape == (4,)
     assert torch.equal(cal.key_codebook, cal.key_codebook.half().float())
+    # the default calibration_data is that file: naming it by path calibrates identically
+    wiki = str(tmp_path / "wikitext2" / "wiki.test.raw")
+    by_path = build_method(
+        {
+            "name": "kvquant",
+            "bits": 2,
+            "calibration_tokens": 80,
+            "outlier_fraction": 0,
+            "calibration_data": wiki,
+        }
+    )
+    by_path.prepare(model, _ByteTokenizer(), shape, tmp_path / "nowhere")
+    for a, b in zip(method.calibration, by_path.calibration, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(vars(a).values(), vars(b).values(), strict=True))
     # a missing calibration file names the data root
     with pytest.raises(ConfigError, match="data.root"):
         method.prepare(model, _ByteTokenizer(), shape, tmp_path / "nowhere")
-    # other RoPE types are rejected
-    model.config.rope_parameters = {"rope_type": "yarn", "rope_theta": THETA, "factor": 2.0}
+    # other RoPE types are rejected by check_model, from the config alone
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": THETA, "factor": 2.0}
     with pytest.raises(ConfigError, match="method.pre_rope"):
-        method.prepare(model, _ByteTokenizer(), shape, tmp_path)
+        method.config.check_model(shape_of_config(config))
 
 
 def test_calibrate_layer_excludes_outliers_from_the_codebook_values():
@@ -341,3 +356,214 @@ def test_pre_rope_needs_rope_theta():
     with pytest.raises(ConfigError) as err:
         method.config.check_model(ModelShape(num_layers=1, num_heads=2, num_kv_heads=2, head_dim=64))
     assert err.value.key == "method.pre_rope"
+
+
+# -- RoPE variants: per-layer frequencies on tiny random models -------------------------------------
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+def _tiny_model(kind):
+    """A tiny random Llama with llama3 RoPE scaling, or a tiny Gemma-3 (k_norm, sliding and full
+    layers with their own RoPE: theta 1e4 default, theta 1e6 linear x8), with kvbench attention."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    from kvbench.cache import ATTN_IMPLEMENTATION
+
+    sizes = dict(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(10)
+    if kind == "llama3":
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, rope_parameters=dict(LLAMA3_ROPE), **sizes))
+    else:
+        config = Gemma3TextConfig(
+            num_hidden_layers=4,
+            sliding_window=4,
+            layer_types=list(GEMMA3_LAYER_TYPES),
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            **sizes,
+        )
+        model = Gemma3ForCausalLM(config)
+    model.eval().set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model, shape_of_config(model.config)
+
+
+@torch.no_grad()
+def _keys_around_rope(model, shape, positions):
+    """Per layer: the pre-RoPE keys the model computes (k_proj output, after k_norm where the
+    attention has one) and the post-RoPE keys and values its attention receives, ``[1, H_kv, T, D]``."""
+    from kvbench.cache.cache import take_active_layer
+    from kvbench.cache.capture import OutputCapture, capture_attention
+
+    # a cache.update called directly (other tests here) leaves its layer as the one the next
+    # attention call of that index reads; this forward has no cache, so that pointer is dropped
+    take_active_layer()
+    attns = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+    t = positions.shape[0]
+
+    def reduce(_args, _kwargs, out):  # k_proj: [1, T, H_kv * D]; Gemma-3's k_norm: [1, H_kv, T, D]
+        return (
+            out.reshape(1, t, shape.num_kv_heads, shape.head_dim).transpose(1, 2) if out.dim() == 3 else out
+        )
+
+    ids = torch.randint(0, 100, (1, t), generator=torch.Generator().manual_seed(11))
+    modules = [getattr(a, "k_norm", None) or a.k_proj for a in attns]
+    with OutputCapture(modules, reduce) as pre, capture_attention() as post:
+        model(ids, position_ids=positions[None], use_cache=False)
+    return [(pre.records[i], post.records[i].keys, post.records[i].values) for i in range(len(attns))]
+
+
+@pytest.mark.parametrize("kind", ["llama3", "gemma3"])
+def test_each_layer_rotates_its_pre_rope_keys_to_the_models_post_rope_keys(kind):
+    from kvbench.quant.rope import layer_rope, rotate
+
+    model, shape = _tiny_model(kind)
+    positions = torch.arange(1000, 1012)  # far enough for the llama3 and linear scalings to matter
+    layers = _keys_around_rope(model, shape, positions)
+    for i, (pre, post, _) in enumerate(layers):
+        cos, sin = layer_rope(shape, i).cos_sin(positions)
+        torch.testing.assert_close(rotate(pre, cos, sin), post, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rotate(post, cos, sin, inverse=True), pre, rtol=1e-5, atol=1e-5)
+    # the check can fail: the plain default frequencies of the same theta do not fit
+    pre, post, _ = layers[2 if kind == "gemma3" else 0]
+    theta = 1e6 if kind == "gemma3" else LLAMA3_ROPE["rope_theta"]
+    assert not torch.allclose(apply_rope(pre, positions, theta), post, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "gemma3"])
+def test_pre_rope_cache_reads_back_the_models_keys_on_every_layer(kind):
+    model, shape = _tiny_model(kind)
+    n = 24
+    layers = _keys_around_rope(model, shape, torch.arange(n))
+    method = build_method({"name": "kvquant", "bits": 8, "calibrate": False, "datatype": "uniform"})
+    method.config.check_model(shape)
+    cache = method.new_cache(shape, torch.float32)
+    for i, (_, k, v) in enumerate(layers):
+        cache.update(k[:, :, :16], v[:, :, :16], i)
+        for t in range(16, n):
+            cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], i)
+        stored_k, _ = cache.layers[i].read()
+        assert (stored_k - k).norm() / k.norm() < 5e-3, i  # another layer's frequencies: radians off
+        keys = cache.layers[i].inner.stored().keys  # the blockwise path (RoPESource), sink excluded
+        assert (keys.read(0, n - 1) - k[:, :, 1:]).norm() / k.norm() < 5e-3, i
+
+
+def test_gemma3_calibrates_on_k_norm_outputs_and_post_rope_per_layer(tmp_path, capsys):
+    from kvbench.cache.capture import OutputCapture
+
+    model, shape = _tiny_model("gemma3")
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    node = {"name": "kvquant", "bits": 2, "calibration_tokens": 80, "outlier_fraction": 0}
+    method = build_method({**node, "calibration_data": str(text)})
+    method.config.check_model(shape)
+    method.prepare(model, _ByteTokenizer(), shape, tmp_path / "no-data-root-needed")
+    assert "kvquant calibration" in capsys.readouterr().err  # the progress bar
+    ids = _ByteTokenizer()(text.read_text()).input_ids[:, -80:]
+    attns = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+    with torch.no_grad(), OutputCapture([a.k_norm for a in attns], lambda _a, _k, out: out) as normed:
+        model(ids, use_cache=False)
+    for i, cal in enumerate(method.calibration):
+        keys = normed.records[i][0, :, 1:].transpose(0, 1)  # [T - 1, H_kv, D], the sink left out
+        assert torch.equal(cal.key_zero, ((keys.amax(0) + keys.amin(0)) / 2).half()), i
+        assert torch.equal(cal.key_scale, ((keys.amax(0) - keys.amin(0)) / 2).half()), i
+    # post-RoPE calibration turns each layer's keys by that layer's own RoPE
+    post_method = build_method({**node, "calibration_data": str(text), "pre_rope": False})
+    post_method.prepare(model, _ByteTokenizer(), shape, tmp_path)
+    layers = _keys_around_rope_of(model, shape, ids)
+    for i, cal in enumerate(post_method.calibration):
+        keys = layers[i][0, :, 1:].transpose(0, 1)
+        torch.testing.assert_close(cal.key_zero.float(), ((keys.amax(0) + keys.amin(0)) / 2).half().float())
+
+
+@torch.no_grad()
+def _keys_around_rope_of(model, shape, ids):
+    from kvbench.cache.cache import take_active_layer
+    from kvbench.cache.capture import capture_attention
+
+    take_active_layer()  # no stale cache layer (see _keys_around_rope)
+    with capture_attention() as post:
+        model(ids, use_cache=False)
+    return [post.records[i].keys for i in range(shape.num_layers)]
+
+
+def _refusal(config, pre_rope=True):
+    method = build_method({"name": "kvquant", "bits": 2, "pre_rope": pre_rope})
+    with pytest.raises(ConfigError) as err:
+        method.config.check_model(shape_of_config(config))
+    assert err.value.key == "method.pre_rope" and "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_rope_types_pre_rope_cannot_undo_are_refused_in_one_line():
+    from transformers import GPT2Config, LlamaConfig
+
+    sizes = dict(
+        hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_hidden_layers=4
+    )
+    dynamic = LlamaConfig(
+        rope_parameters={"rope_type": "dynamic", "rope_theta": THETA, "factor": 2.0}, **sizes
+    )
+    assert _refusal(dynamic) == (
+        "method.pre_rope=True: layer 0 uses rope_type='dynamic', which pre-RoPE keys cannot undo "
+        "(supported: default, linear, llama3); set method.pre_rope=false"
+    )
+    yarn = LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": THETA, "factor": 4.0}, **sizes)
+    assert "rope_type='yarn'" in _refusal(yarn)
+    no_rope = GPT2Config(n_layer=2, n_embd=32, n_head=2)
+    assert "has no rotary position embedding" in _refusal(no_rope)
+    # post-RoPE keys need no inversion: those models pass
+    for config in (dynamic, yarn, no_rope):
+        build_method({"name": "kvquant", "bits": 2, "pre_rope": False}).config.check_model(
+            shape_of_config(config)
+        )
+    # the supported types pass too
+    llama3 = LlamaConfig(rope_parameters=dict(LLAMA3_ROPE), **sizes)
+    build_method({"name": "kvquant", "bits": 2}).config.check_model(shape_of_config(llama3))
+
+
+# -- calibration data ------------------------------------------------------------------------------
+
+
+def test_calibration_data_names_a_dataset_or_a_file(tmp_path):
+    from kvbench.methods.kvquant_calibration import calibration_file, calibration_text
+
+    (tmp_path / "wikitext2").mkdir()
+    wiki = tmp_path / "wikitext2" / "wikitext-test.txt"
+    wiki.write_text("wiki")
+    assert calibration_file(tmp_path) == wiki  # the default: wikitext2 under the data root
+    (tmp_path / "mine.txt").write_text("my text")
+    assert calibration_text(tmp_path, "mine.txt") == "my text"  # relative: under the data root
+    (tmp_path / "docs.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
+    assert calibration_text(tmp_path, str(tmp_path / "docs.jsonl")) == "a\n\nb"
+    with pytest.raises(ConfigError) as err:
+        calibration_text(tmp_path, "nowhere/missing.txt")
+    assert err.value.key == "method.calibration_data" and "no such file" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        build_method({"name": "kvquant", "bits": 2, "calibration_data": ""})
+    assert err.value.key == "method.calibration_data"
+
+
+def test_calibration_data_missing_file_fails_prepare_naming_the_key(tmp_path):
+    method = build_method({"name": "kvquant", "bits": 2, "calibration_data": str(tmp_path / "gone.txt")})
+    with pytest.raises(ConfigError, match="method.calibration_data"):
+        method.prepare(torch.nn.Linear(1, 1), _ByteTokenizer(), SHAPE, tmp_path)
