@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench.cache import KVBenchCache, MemoryReport, memory_report
+from kvbench.cache.sliding import with_window_layers
 from kvbench.methods import Method, ModelShape
 
 
@@ -71,7 +72,17 @@ class ModelRunner:
         return ids
 
     def new_cache(self) -> KVBenchCache:
-        return self.method.new_cache(self.shape, self.model.dtype)
+        """A fresh cache of the method for one request. Its sliding-window layers (if the model has
+        any) are :class:`~kvbench.cache.sliding.SlidingWindowLayer`s whatever the method built
+        (:meth:`Method.build_layers` makes them so; a method building its own cache class is held to
+        the same rule here), so the model's sliding masks and the FP16 reference match
+        transformers' own cache."""
+        cache = self.method.new_cache(self.shape, self.model.dtype)
+        sliding = self.shape.sliding_layers()
+        if sliding:
+            fp_dtype = self.method.config.torch_fp_dtype(self.model.dtype)
+            cache.layers[:] = with_window_layers(cache.layers, sliding, self.shape.sliding_window, fp_dtype)
+        return cache
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: KVBenchCache) -> torch.Tensor:

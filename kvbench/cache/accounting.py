@@ -2,7 +2,10 @@
 
 Definitions (per run, summed over layers, keys and values together):
 
-- ``n_values``: key/value elements the cache represents, ``2 * B * H_kv * T * D`` per layer.
+- ``n_values``: key/value elements the cache represents, ``2 * B * H_kv * T * D`` per layer, with
+  ``T`` the tokens the FP16 reference (transformers' own cache) holds there
+  (:meth:`KVLayer.reference_tokens`): every token, except in a sliding-window layer, which holds only
+  its window (:mod:`kvbench.cache.sliding`; the window's bytes are the ``window`` component).
 - ``bytes``: per component, ``numel * element_size`` of every tensor a layer reports in
   :meth:`KVLayer.held_tensors`; nothing is estimated.
 - ``code_bits``: ``8 * bytes(codes) / quantized_values`` (packed width, padding included).
@@ -140,7 +143,9 @@ def memory_report(layers: list[KVLayer]) -> MemoryReport:
             report.prefetch_entries += entries
             report.prefetch_bytes += nbytes
         report.tokens = max(report.tokens, layer.num_tokens)
-        report.n_values += 2 * layer.batch_size * layer.num_kv_heads * layer.num_tokens * layer.head_dim
+        report.n_values += (
+            2 * layer.batch_size * layer.num_kv_heads * layer.reference_tokens() * layer.head_dim
+        )
         report.quantized_values += layer.quantized_values()
         report.nominal_code_bits_sum += layer.nominal_code_bits()
         read_bits, read_values = layer.read_stats()

@@ -24,7 +24,7 @@ def kvbench_attention(module, query, key, value, attention_mask, **kwargs):
     capture = active_capture()
     if capture is not None:
         capture.record(module, query, key, value, kwargs)
-    layer = take_active_layer()
+    layer = take_active_layer(key)
     if layer is None or layer.layer_idx != getattr(module, "layer_idx", None):
         # Not a kvbench cache (e.g. a plain forward without cache): ordinary SDPA.
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

@@ -27,8 +27,9 @@ after every forward.
 Masks. Evicted tokens have no place in the kept tensors, so the model's mask (built for the logical
 length) is rebuilt for the kept keys: every kept token comes from an earlier forward and is visible to
 every query of this one; the new tokens keep the model's own mask among themselves. A mask that hides
-some earlier token (left padding, sliding windows) cannot be mapped without holding positions and is
-refused.
+some earlier token (left padding) cannot be mapped without holding positions and is refused.
+Sliding-window layers never get here: in every method they hold their window in full precision
+(:mod:`kvbench.cache.sliding`), and eviction applies to the full-attention layers only.
 """
 
 from __future__ import annotations

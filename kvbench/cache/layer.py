@@ -112,6 +112,12 @@ class KVLayer(CacheLayerMixin):
         nominal (unpacked) code width."""
         return 0.0
 
+    def reference_tokens(self) -> int:
+        """Tokens the FP16 reference holds for this layer: what transformers' own cache would keep
+        (every token, :attr:`num_tokens`; a sliding-window layer keeps only its window). The memory
+        report's ``n_values`` counts these."""
+        return self.num_tokens
+
     def read_stats(self) -> tuple[int, int]:
         """(payload bits read, stored values that could have been read) by decode queries, for
         methods that read less than they store (ReadKV); others read everything: (0, 0)."""

@@ -9,6 +9,7 @@ import torch
 
 from kvbench.cache import KVBenchCache, KVLayer
 from kvbench.cache.sink import SinkLayer
+from kvbench.cache.sliding import SlidingWindowLayer
 from kvbench.config import DTYPES, build_config, check_choice, is_int, require
 from kvbench.errors import ConfigError
 from kvbench.kernels.runtime import require_triton
@@ -155,11 +156,25 @@ class Method:
         (KVQuant's per-channel key ranges and non-uniform datatypes, ...) goes here. Default: none."""
 
     def new_cache(self, shape: ModelShape, model_dtype: torch.dtype) -> KVBenchCache:
-        layers = [self.make_layer(i, shape, model_dtype) for i in range(shape.num_layers)]
-        if self.config.sink_tokens:
-            fp_dtype = self.config.torch_fp_dtype(model_dtype)
-            layers = [SinkLayer(layer, self.config.sink_tokens, fp_dtype) for layer in layers]
-        return KVBenchCache(layers)
+        return KVBenchCache(self.build_layers(shape, model_dtype))
+
+    def build_layers(self, shape: ModelShape, model_dtype: torch.dtype) -> list[KVLayer]:
+        """One storage per transformer layer. Layers with sliding-window attention hold their window
+        in full precision (``fp_dtype``) in every method, as transformers' own cache holds it
+        (:class:`~kvbench.cache.sliding.SlidingWindowLayer`); methods quantize / evict / prefetch
+        the full-attention layers only, built by :meth:`make_layer` (behind a lossless sink with
+        ``sink_tokens``). A method that builds its own cache class starts from these layers."""
+        fp_dtype = self.config.torch_fp_dtype(model_dtype)
+        layers: list[KVLayer] = []
+        for i in range(shape.num_layers):
+            if shape.is_sliding(i):
+                layers.append(SlidingWindowLayer(i, shape.sliding_window, fp_dtype))
+                continue
+            layer = self.make_layer(i, shape, model_dtype)
+            if self.config.sink_tokens:
+                layer = SinkLayer(layer, self.config.sink_tokens, fp_dtype)
+            layers.append(layer)
+        return layers
 
     def label(self) -> str:
         return self.base_label() + (f"-sink{self.config.sink_tokens}" if self.config.sink_tokens else "")

@@ -20,6 +20,10 @@ Knobs common to all four:
   most the quantized cache's bytes and less than one token below them. On the command line:
   ``'method.matched_memory={name:kivi,bits:2}'``.
 
+Sliding-window layers (Gemma-3's local layers) hold their window in full precision as in every
+method (:mod:`kvbench.cache.sliding`); the policies evict from the full-attention layers only, and a
+matched-memory budget is resolved for those layers alone.
+
 Accounting: bytes come from the kept tensors; ``effective_bits`` and ``compression`` divide by the
 *logical* token count, so they compare honestly with the full FP16 cache. Kept tokens per layer and
 head: ``bytes_by_component["fp"] / (2 * B * H_kv * D * 2 * num_layers)`` (FP16), or
@@ -151,5 +155,8 @@ class EvictionMethod(Method):
 
 
 def kept_tokens(cache) -> list[int]:
-    """Tokens each layer of an eviction cache holds per kv head."""
-    return [layer.kept for layer in cache.layers]
+    """Tokens each layer of an eviction cache holds per kv head (a sliding-window layer: its
+    window, which no policy evicts from)."""
+    return [
+        layer.kept if isinstance(layer, EvictionLayer) else layer.reference_tokens() for layer in cache.layers
+    ]

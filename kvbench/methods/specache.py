@@ -47,6 +47,9 @@ Without CUDA the same logic runs synchronously on the CPU, host and "device" bot
 
 Accounting: :meth:`SpeCacheLayer.held_tensors` is what the accelerator holds (codes, scales, zeros,
 residual, the current prefetched rows); :meth:`SpeCacheLayer.host_tensors` the FP16 host store.
+Sliding-window layers (Gemma-3's local layers) are no SpeCache layers: as in every method they hold
+their window in FP16 on the accelerator (:mod:`kvbench.cache.sliding`), nothing offloaded or
+prefetched, and store only what the plan stores (never the speculative token).
 Defaults (Sec. 5): k = 64, R = 64 (KIVI's 128 less the 64 prefetched, so the accelerator holds as
 much FP16 as KIVI), G = 32, 1 bit with SpeCache's zero point.
 """
@@ -61,6 +64,7 @@ import torch
 from kvbench.cache import KVBenchCache
 from kvbench.cache.kivi_layout import KIVILayout
 from kvbench.cache.layer import StoredTokens, merge_held
+from kvbench.cache.sliding import SlidingWindowLayer
 from kvbench.config import require
 from kvbench.methods.affine_base import AffineKVConfig, kv_bits_label
 from kvbench.methods.base import Method, covers_context, register_method
@@ -358,8 +362,15 @@ class SpeCacheCache(KVBenchCache):
         self.speculative: int | None = None
 
     def set_plan(self, plan: Plan | None) -> None:
+        """``plan`` for the next forward in every SpeCache layer (None: each layer's default). A
+        sliding-window layer (:class:`~kvbench.cache.sliding.SlidingWindowLayer`: its window in
+        FP16, nothing offloaded or prefetched) follows only the plan's ``store``, so that the
+        speculative token enters no layer."""
         for layer in self.layers:
-            layer.plan = layer.default_plan if plan is None else plan
+            if isinstance(layer, SlidingWindowLayer):
+                layer.store_limit = None if plan is None else plan.store
+            else:
+                layer.plan = layer.default_plan if plan is None else plan
 
 
 @register_method("specache")
@@ -370,7 +381,7 @@ class SpeCache(Method):
     Layer = SpeCacheLayer
 
     def new_cache(self, shape, model_dtype) -> SpeCacheCache:
-        return SpeCacheCache([self.make_layer(i, shape, model_dtype) for i in range(shape.num_layers)])
+        return SpeCacheCache(self.build_layers(shape, model_dtype))
 
     def decode_step(self, runner, cache: SpeCacheCache, input_ids: torch.Tensor) -> torch.Tensor:
         """One step of the generate loop (:meth:`ModelRunner.generate`'s method hook).

@@ -1,0 +1,170 @@
+"""Tiny random-weight models of several architectures, built from configs (no download, no
+tokenizer), and what plain transformers does with them: the references of
+tests/test_any_architecture.py and tests/cache/test_sliding.py.
+
+Every model has hidden size 64, a small vocabulary and 2-4 layers, loads with kvbench's attention
+implementation, and has no EOS token, so greedy decoding runs for as many steps as asked. Weights
+are drawn wider than the usual 0.02 so that greedy choices are not near-ties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+
+from kvbench.builder import LoadedModel
+from kvbench.cache import ATTN_IMPLEMENTATION
+from kvbench.models import ModelShape
+from kvbench.models.shape import shape_of_config
+
+VOCAB = 96
+SLIDING_WINDOW = 8
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    max_position_embeddings=1024,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def _llama():
+    return LlamaConfig(
+        **COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64
+    )
+
+
+def _mistral():
+    # v0.2/v0.3: no sliding window (v0.1's 4096-token window would make every layer a window layer)
+    return MistralConfig(
+        **COMMON,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=None,
+    )
+
+
+def _qwen2():
+    # four query heads share one KV head; Qwen2 has q/k/v biases
+    return Qwen2Config(
+        **COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=64
+    )
+
+
+def _gemma3():
+    # local (sliding) and global layers, each type with its own RoPE (Gemma3TextConfig's defaults:
+    # theta 10k local, 1M global)
+    return Gemma3TextConfig(
+        **COMMON,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
+
+
+def _head_dim_128():
+    return LlamaConfig(
+        **COMMON, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128
+    )
+
+
+CONFIGS = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "gemma3": _gemma3,
+    "llama-hd128": _head_dim_128,
+}
+
+
+class StubTokenizer:
+    """What :class:`kvbench.generate.ModelRunner` asks of a tokenizer when it is handed ids."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def tiny_model(arch: str) -> tuple[torch.nn.Module, ModelShape]:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.generation_config.eos_token_id = None
+    return model, shape_of_config(model.config)
+
+
+def loaded(model: torch.nn.Module, shape: ModelShape) -> LoadedModel:
+    """The builder's loaded model for an in-memory model (``LoadedModel.runner`` checks and prepares
+    a method on it, as every run does)."""
+    return LoadedModel(config=None, model=model, tokenizer=StubTokenizer(), shape=shape, load_s=0.0)
+
+
+def cache_bytes(cache: DynamicCache) -> tuple[int, int]:
+    """(elements, bytes) of the keys and values a transformers cache holds."""
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class Reference:
+    """Plain transformers (``DynamicCache(config=...)``, SDPA) on one prompt: the greedy tokens,
+    the logits that chose each (``[steps, vocab]``: the prefill's last, then each decode step's), and
+    the (elements, bytes) its cache held after the prompt plus ``i`` decoded tokens, by ``i``."""
+
+    tokens: list[int]
+    logits: torch.Tensor
+    held: dict[int, tuple[int, int]]
+
+    def nll(self) -> list[float]:
+        """Negative log-likelihoods of the greedy tokens under the logits that chose them."""
+        logp = torch.log_softmax(self.logits.float(), dim=-1)
+        return [-float(logp[i, t]) for i, t in enumerate(self.tokens)]
+
+
+@torch.no_grad()
+def reference(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> Reference:
+    """Greedy decoding of ``steps`` tokens after ``prompt [1, T]``, every chosen token fed back (so
+    the cache holds the prompt plus ``steps`` tokens at the end)."""
+    cache = DynamicCache(config=model.config)
+    # kvbench's attention hands a forward over a non-kvbench cache to SDPA: plain transformers
+    logits = model(input_ids=prompt, cache=cache, use_cache=True).logits[0, -1].float()
+    held = {0: cache_bytes(cache)}
+    tokens, all_logits = [], []
+    for i in range(steps):
+        all_logits.append(logits)
+        tokens.append(int(logits.argmax()))
+        logits = (
+            model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0, -1].float()
+        )
+        held[i + 1] = cache_bytes(cache)
+    return Reference(tokens, torch.stack(all_logits), held)
+
+
+@torch.no_grad()
+def kvbench_logits(runner, prompt: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, object]:
+    """The logits a runner's cache gives when ``prompt`` is prefilled and ``tokens`` are fed one by
+    one through the method's decode step (``[len(tokens), vocab]``, the prefill's last first), and
+    the cache."""
+    cache = runner.new_cache()
+    out = [runner.forward(prompt, cache)[0, -1]]
+    for t in tokens[:-1]:
+        out.append(runner.decode_step(torch.tensor([[t]]), cache)[0, -1])
+    return torch.stack(out), cache
