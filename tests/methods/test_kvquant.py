@@ -461,9 +461,14 @@ def test_pre_rope_cache_reads_back_the_models_keys_on_every_layer(kind):
         for t in range(16, n):
             cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], i)
         stored_k, _ = cache.layers[i].read()
+        if shape.is_sliding(i):
+            # sliding-window layers hold their window in full precision, not KVQuant's codes
+            assert torch.allclose(stored_k.float(), k[:, :, n - stored_k.shape[-2] :], atol=1e-2), i
+            continue
         assert (stored_k - k).norm() / k.norm() < 5e-3, i  # another layer's frequencies: radians off
         keys = cache.layers[i].inner.stored().keys  # the blockwise path (RoPESource), sink excluded
         assert (keys.read(0, n - 1) - k[:, :, 1:]).norm() / k.norm() < 5e-3, i
+    assert kind != "gemma3" or 0 < len(shape.sliding_layers()) < shape.num_layers
 
 
 def test_gemma3_calibrates_on_k_norm_outputs_and_post_rope_per_layer(tmp_path, capsys):
