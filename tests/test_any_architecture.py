@@ -9,8 +9,8 @@ and a perplexity-style scoring pass run through :class:`kvbench.generate.ModelRu
   (on Gemma-3 the windows of its local layers, not the whole sequence);
 - FP16 (``fp_dtype=auto``) equals plain transformers: greedy tokens, logits, NLLs, cache bytes;
 - every method that quantizes or evicts holds less than that reference; FP16 holds exactly it;
-- or the method refuses the model with a one-line ConfigError, where that is allowed (KVQuant's
-  pre-RoPE quantization on Gemma-3, whose RoPE differs per layer type).
+- a method may refuse a model only where ``MAY_REFUSE`` allows it, with a one-line ConfigError
+  (today nowhere: KVQuant's pre-RoPE keys run on Gemma-3's per-layer-type RoPE too).
 
 The methods come from the registry with the node their class declares for the method contract
 (tests/methods/test_method_table.py); eviction methods get a budget below the prompt so they evict.
@@ -33,9 +33,8 @@ PROMPT = 192  # past KIVI's 128-token residual and SpeCache's 64 + 64 (FP16 on t
 STEPS = 4
 
 # (arch, case) -> why the method may refuse that model
-MAY_REFUSE = {
-    ("gemma3", "kvquant-pre_rope"): "per-layer-type RoPE (another branch extends KVQuant's support)"
-}
+# (none since KVQuant's pre-RoPE path handles per-layer-type RoPE, kvbench/quant/rope.py)
+MAY_REFUSE: dict[tuple[str, str], str] = {}
 
 
 def method_node(case: str) -> dict:
