@@ -31,7 +31,7 @@ from kvbench.models import model_node
 METHODS = {
     "fp16": {"name": "fp16"},
     "kivi-2": {"name": "kivi", "bits": 2},
-    "kivi-1": {"name": "kivi", "bits": 1, "zero_point": "specache"},
+    "kivi-1": {"name": "kivi", "bits": 1, "zero_point": "specache", "arithmetic": "fp32"},
 }
 
 

@@ -41,7 +41,12 @@ def configurations() -> list[tuple[str, dict]]:
         rows.append((f"uniform-{bits}", {"name": "uniform", "bits": bits}))
         rows.append((f"kivi-{bits}", {"name": "kivi", "bits": bits}))
         if bits == 1:
-            rows.append(("kivi-1-specache_zp", {"name": "kivi", "bits": 1, "zero_point": "specache"}))
+            rows.append(
+                (
+                    "kivi-1-specache_zp",
+                    {"name": "kivi", "bits": 1, "zero_point": "specache", "arithmetic": "fp32"},
+                )
+            )
         rows.append((f"intactkv1-kivi-{bits}", {"name": "intactkv", "bits": bits, "tokens": 1}))
         rows.append((f"ott-{bits}", {"name": "ott", "bits": bits}))
         rows.append((f"turboquant-{bits}", {"name": "turboquant", "bits": bits}))

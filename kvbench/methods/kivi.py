@@ -67,5 +67,6 @@ class KIVI(Method):
 
     def base_label(self) -> str:
         zp = "-specache0" if self.config.zero_point == "specache" else ""
-        fp32 = "-fp32" if self.config.arithmetic == "fp32" else ""
+        # SpeCache's zero point exists only in the fp32 map, so its label already says it
+        fp32 = "-fp32" if self.config.arithmetic == "fp32" and self.config.zero_point == "minmax" else ""
         return f"kivi-{kv_bits_label(self.config)}{zp}{fp32}"

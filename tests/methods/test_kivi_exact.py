@@ -110,6 +110,8 @@ def test_specache_zero_point_needs_the_fp32_arithmetic():
     with pytest.raises(ConfigError, match="method.zero_point"):
         build_method({"name": "kivi", "bits": 1, "zero_point": "specache"})
     method = build_method({"name": "kivi", "bits": 1, "zero_point": "specache", "arithmetic": "fp32"})
-    assert method.label() == "kivi-1b-specache0-fp32"
+    assert method.label() == "kivi-1b-specache0"  # (the specache zero point implies the fp32 map)
+    assert build_method({"name": "kivi", "bits": 2, "arithmetic": "fp32"}).label() == "kivi-2b-fp32"
+    assert build_method({"name": "kivi", "bits": 2}).label() == "kivi-2b"
     with pytest.raises(ConfigError, match="method.arithmetic"):
         build_method({"name": "kivi", "arithmetic": "exact"})

@@ -167,8 +167,9 @@ def test_hit_rate_is_one_at_k_equal_T():
 
 
 def kivi(bits, zero_point, group=2, residual=2):
+    # SpeCache's low-bit copy, as the task builds it: kvbench's fp32 affine map (its zero point)
     return {"name": "kivi", "bits": bits, "group_size": group, "residual": residual,
-            "zero_point": zero_point, "fp_dtype": "auto"}  # fmt: skip
+            "zero_point": zero_point, "fp_dtype": "auto", "arithmetic": "fp32"}  # fmt: skip
 
 
 def test_lowbit_keys_specache_one_bit_hand_case():
