@@ -27,7 +27,7 @@ times one single-token append: ``torch.cat`` onto the store (kvbench's stores to
     PYTHONPATH=. python scripts/bench_blockwise.py [--threads 2] [--reps 21] [--lengths 1024 4096 8192]
     PYTHONPATH=. python scripts/bench_blockwise.py --threads 1 --clock thread   # steadier on a busy machine
 
-The measured tables, with a reading of them and a profile, are in ``results/bench_blockwise.md``.
+The measured tables, with a reading of them and a profile, are in ``benchmarks/bench_blockwise.md``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ hold, quantized payloads flattened to their data, scales and shifts), and the pe
 memory of one more decode step: the most bytes held at once by tensors created during that step
 (tracked at the aten level, so it counts what the step allocates beyond the cache it reads).
 
-    python scripts/bench_cache.py --threads 2    # 1K, 4K, 8K; writes results/bench_cache.{csv,md}
+    python scripts/bench_cache.py --threads 2    # 1K, 4K, 8K; writes benchmarks/bench_cache.{csv,md}
     python scripts/bench_cache.py --contexts 1024 --steps 4 --only fp16 kivi DynamicCache
 """
 
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--only", nargs="+", default=[], help="cache labels to keep (method names, peer labels)"
     )
-    parser.add_argument("--out", type=Path, default=Path("results/bench_cache.csv"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/bench_cache.csv"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 

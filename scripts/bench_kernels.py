@@ -322,7 +322,7 @@ def parse_args(argv):
                    help="memset 256 MiB before every timed rep on CUDA (default on)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpreter); flags still override")
-    p.add_argument("--out", type=Path, default=Path("results/bench_kernels.csv"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/bench_kernels.csv"))
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch-cap", type=int, default=1024)
     parser.add_argument("--backend", default="torch", choices=["torch", "triton"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--out", type=Path, default=Path("results/bench_throughput.csv"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/bench_throughput.csv"))
     args = parser.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -4,7 +4,7 @@ the default model, after a real prefill of the haystack prompt.
 For each method: the step's total CPU time, the share spent inside the layers' attention over the
 cache (``KVLayer.attend`` and what it calls: reading packed storage block by block, the online
 softmax) and inside the cache update (appends, quantization), and the operators with the most self
-time. Writes ``results/profile_decode.md``.
+time. Writes ``benchmarks/profile_decode.md``.
 
     python scripts/profile_decode.py --threads 2 --context 8192 --methods fp16 kivi ott
 """
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--methods", nargs="+", default=["fp16", "kivi", "ott", "kvquant", "turboquant"])
-    parser.add_argument("--out", type=Path, default=Path("results/profile_decode.md"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/profile_decode.md"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     instrument()

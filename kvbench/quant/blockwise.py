@@ -28,7 +28,7 @@ sources may fold their parameters into the small side instead of dequantizing th
 Both are exact identities; in float32 they reassociate sums, so outputs differ from the
 dequantize-then-matmul path by rounding only. Which path a source takes is chosen by ``fold``;
 the defaults are the ones measured faster on CPU (``scripts/bench_blockwise.py``,
-``results/bench_blockwise.md``): values fold (one small matmul per channel group on the float code
+``benchmarks/bench_blockwise.md``): values fold (one small matmul per channel group on the float code
 values, no affine pass over the block), keys do not (folding needs one tiny matmul per group of G
 tokens, slower than one affine pass and one matmul). Affine codes are decoded through a 256-row
 byte table into uint8 and the affine map promotes them to float32 in the same pass.

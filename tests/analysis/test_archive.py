@@ -192,3 +192,9 @@ def test_committed_results_regenerate_from_the_committed_archives(tmp_path):
             assert np.abs(image.imread(committed) - image.imread(path)).max() <= 1 / 255, key
         else:
             assert committed.read_bytes() == path.read_bytes(), f"results/{key} differs; run make results"
+    # and nothing else sits there: every committed file under results/ is an output of `make results`
+    # (the declarations, archives and manifests are its inputs; run folders are git-ignored)
+    committed = {key for key in _outputs(repo_results) if key.parts[0] != "runs" and key.suffix != ".gz"}
+    assert committed <= set(regenerated), (
+        f"not written by make results: {sorted(committed - set(regenerated))}"
+    )
