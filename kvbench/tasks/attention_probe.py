@@ -72,10 +72,12 @@ def exact_attention(
     """Attention of ``query [B, H, q, D]`` over every one of ``keys``/``values [B, H_kv, n, D]``
     (query head ``h`` reads KV head ``h // (H / H_kv)``), no mask, in float32. Returns
     ``[B, H, q, D]``."""
-    groups = query.shape[1] // keys.shape[1]
-    k = keys.float().repeat_interleave(groups, dim=1)
-    v = values.float().repeat_interleave(groups, dim=1)
-    return torch.softmax((query.float() @ k.transpose(-1, -2)) * scaling, dim=-1) @ v
+    b, heads, q, d = query.shape
+    kv_heads = keys.shape[1]
+    # the query heads of one KV head side by side, [B, H_kv, (H / H_kv) * q, D]: no repeated keys
+    grouped = query.float().reshape(b, kv_heads, heads // kv_heads * q, d)
+    probs = torch.softmax((grouped @ keys.float().transpose(-1, -2)) * scaling, dim=-1)
+    return (probs @ values.float()).reshape(b, heads, q, d)
 
 
 def step_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, float]:
