@@ -31,6 +31,7 @@ BRIEFED = {
     "ott_vs_kivi",
     "kvquant_ablation",
     "readkv_read_budget",
+    "attention_probe",
 }
 
 
@@ -114,6 +115,26 @@ def test_arms_inherit_their_method_node_and_override_knobs():
     assert cfg["method"]["zero_point"] == "minmax"  # inherited from conf/method/uniform.yaml
     assert "bits" not in cfg["method"]  # an arm needs no bits line: the run fills the knob
     assert run_config(cfg)["method"]["bits"] == cfg["bits"] == 2
+
+
+def test_attention_probe_arms_fix_their_bits_and_are_distinct_runs():
+    """Every arm of the probe fixes its own bits (no top-level bits sweep), so each arm is one
+    configuration: one label, one run id, one run folder; the claim's arms select ott-2b and kivi-2b."""
+    key = "+experiment/arms/attention_probe@method"
+    params = sweep_params("attention_probe")
+    assert set(params) == {"seed", key} and len(params[key]) == 30
+    labels, ids = {}, set()
+    for arm in params[key]:
+        cfg = compose_point("attention_probe", {"seed": "0", key: arm})
+        assert cfg["bits"] is None and cfg["task"]["name"] == "attention_probe"
+        method = build_method(cfg["method"])
+        assert (method.config.bits is None) == (arm == "fp16")
+        labels[arm] = method.label()
+        ids.add(run_id(run_config(cfg)))
+    assert len(set(labels.values())) == len(ids) == 30
+    assert labels["ott2"] == "ott-2b" and labels["kivi2"] == "kivi-2b"
+    assert labels["kivi1_specache_zp"] == "kivi-1b-specache0"
+    assert labels["readkv8_read2"] == "readkv-2of8b" and labels["semkv2.39"].startswith("semkv-2.39b")
 
 
 # --- missing methods and tasks ------------------------------------------------------------------

@@ -42,7 +42,20 @@ PLAN_DEFAULTS: dict[str, Any] = {
 }
 
 # Metrics where a smaller value is the better one; every other metric is higher-is-better.
-LOWER_IS_BETTER = {"ppl", "nll_mean", "nll", "loss", "perplexity", "error", "rel_error"}
+# ``rel_err``, ``rel_err_pooled`` and ``rel_err_by_layer.<layer>``: the attention_probe task's
+# attention-output errors.
+LOWER_IS_BETTER = {
+    "ppl",
+    "nll_mean",
+    "nll",
+    "loss",
+    "perplexity",
+    "error",
+    "rel_error",
+    "rel_err",
+    "rel_err_pooled",
+    "rel_err_by_layer",
+}
 
 IDENTITY_COLUMNS = [
     "run_id",
@@ -76,8 +89,9 @@ _NOT_METRICS = {
 
 
 def higher_is_better(metric: str) -> bool:
-    """Whether a larger value of ``metric`` is better (False for perplexity, nll and errors)."""
-    return metric not in LOWER_IS_BETTER
+    """Whether a larger value of ``metric`` is better (False for perplexity, nll and errors). A
+    dotted path into a dict column (``rel_err_by_layer.4``) goes the way of its column."""
+    return metric not in LOWER_IS_BETTER and metric.partition(".")[0] not in LOWER_IS_BETTER
 
 
 def _is_nan(value: Any) -> bool:

@@ -107,6 +107,9 @@ def test_lower_is_better_metric_flips_the_difference():
     assert paired.iloc[0]["equivalent"] is None and np.isnan(paired.iloc[0]["tost_p"])
     assert np.isnan(paired.iloc[0]["p_mcnemar"])  # not a binary metric
     assert not higher_is_better("ppl") and higher_is_better("score")
+    # the attention probe's errors, and a path into its per-layer column, are lower-is-better
+    assert not higher_is_better("rel_err") and not higher_is_better("rel_err_pooled")
+    assert not higher_is_better("rel_err_by_layer.4") and higher_is_better("hit_rates.exact_topk.0.005")
 
 
 def test_helpers():
