@@ -316,9 +316,11 @@ def paper_markdown(
     n_resamples: int = 10_000,
 ) -> str:
     """One paper's page: its claims with the published value beside the measured one and the
-    verdict, then, for each experiment node behind them that has runs on ``model``, the mean of the
-    node's metric per configuration (bootstrap interval, effective bits) as the paper's table rows.
-    A first step towards each paper's own table layout."""
+    verdict, then the paper's own tables (``kvbench.analysis.papers``: the paper's rows and
+    columns, each cell the per-configuration mean with its bootstrap interval and, where the paper
+    gives one, the published value beside it), then, for each claim's experiment node that no table
+    reads, the mean of the node's metric per configuration (bootstrap interval, effective bits)."""
+    from kvbench.analysis import papers as paper_tables
     from kvbench.analysis.units import analyze
 
     mine = [r for r in results if r.claim.paper == paper]
@@ -345,7 +347,13 @@ def paper_markdown(
             pd.DataFrame(rows, columns=["claim", "where", "published", "measured", "verdict"])
         ).rstrip()
     )
-    for experiment in sorted({r.claim.experiment for r in mine if r.claim.experiment}):
+    notes = paper_tables.NOTES.get(paper, ())
+    if notes:
+        lines += [""] + [f"- {note}" for note in notes]
+    for layout in paper_tables.layouts(paper):
+        lines += [""] + paper_tables.render(layout, frames, model, seed, n_resamples)
+    covered = paper_tables.covered_nodes(paper)
+    for experiment in sorted({r.claim.experiment for r in mine if r.claim.experiment} - covered):
         frame = frames.get(experiment)
         sub = frame[frame["model"] == model] if frame is not None else None
         lines += ["", f"## {experiment}", ""]

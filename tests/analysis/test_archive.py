@@ -150,10 +150,14 @@ def test_results_from_the_archive_match_results_from_the_runs(runs, tmp_path):
     default = pd.read_csv(direct / "claims" / "smollm2-135m.csv")
     assert set(default["verdict"]) == {"not run"}
     assert (direct / "synthetic_cliff" / "report.md").read_text().startswith("# Report: `synthetic_cliff`")
-    # the paper page puts each claim's published value beside the measured one, then the node's rows
+    # the paper page puts each claim's published value beside the measured one, then the paper's own
+    # table (the cliff: bits down, uniform / TurboQuant / FP16 across), what it leaves out, and the
+    # generic rows of a claim's node that no table reads
     page = (direct / "papers" / "semkv_tiny.md").read_text()
     assert "| c-better | Table 1 | p | chan - fp16 = " in page and "| reproduced |" in page
-    assert "## semkv_cliff" in page and "| ott-2b | 24 |" in page
+    assert "## SemKV: the quality cliff" in page and "| 2 | 0.000 [0.000, 0.000] | collapsed | - |" in page
+    assert "not in this table: kivi-2b[key_axis=channel], kivi-2b[key_axis=token], ott-2b." in page
+    assert "## synthetic_cliff" in page
     assert "No runs on tiny yet: `python -m kvbench -m +experiment=kivi_gsm8k`" in page
 
 

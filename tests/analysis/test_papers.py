@@ -1,0 +1,357 @@
+"""Each paper's own table (kvbench.analysis.papers): cells are the per-configuration means of the
+runs the arm selectors pick, the published value sits beside its cell, a node without runs gives its
+run command, and every selector of every layout picks exactly one configuration of its node's sweep."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from kvbench import report
+from kvbench.analysis import papers
+from kvbench.analysis.archive import frames_from_runs
+from kvbench.analysis.claims import select
+from kvbench.config import to_plain
+from kvbench.methods import build_method
+from kvbench.paths import CONF_DIR
+from kvbench.results import RunFolder, run_id
+from kvbench.run import run_config
+from kvbench.tasks.pg19_hitrate import sparsity_key
+
+MODEL = "tiny"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write_run(root, experiment, task, label, method, bits, seed, rows, metric):
+    plan = {"name": experiment, "reference": "fp16", "metric": metric, "alpha": 0.05, "margin": 0.1}
+    config = {
+        "task": {"name": task},
+        "model": {"name": MODEL},
+        "method": method,
+        "bits": bits,
+        "seed": seed,
+        "analysis": plan,
+    }
+    rid = run_id(config)
+    folder = RunFolder(root / experiment / label / f"seed{seed}-{rid}")
+    folder.write_config({**config, "run_id": rid})
+    for sample_id, fields in rows:
+        memory = {k: fields.pop(k) for k in ("effective_bits", "code_bits") if k in fields}
+        folder.append(
+            {
+                "sample_id": sample_id,
+                "seed": seed,
+                "task": task,
+                "model": MODEL,
+                "method": label,
+                "bits": bits,
+                **fields,
+                "memory": memory,
+            }
+        )
+    folder.write_metrics({"run_id": rid, "primary_metric": metric, "method": label})
+
+
+# --- KVQuant: 8 arms x 3 bit widths, 4 perplexity windows ------------------------------------------
+
+KVQ_FULL = {"pre_rope": True, "datatype": "nuq", "outlier_fraction": 0.01, "sink": True}
+KVQ_ARMS = {  # row key -> (method node without bits, base perplexity)
+    "int_channel": ({"name": "uniform", "key_axis": "channel", "value_axis": "token", "group_size": 32}, 9.0),
+    "full": ({"name": "kvquant", **KVQ_FULL}, 6.0),
+    "no_pre_rope": ({"name": "kvquant", **KVQ_FULL, "pre_rope": False}, 6.5),
+    "no_nuq": ({"name": "kvquant", **KVQ_FULL, "datatype": "uniform"}, 6.4),
+    "no_outliers": ({"name": "kvquant", **KVQ_FULL, "outlier_fraction": 0.0}, 7.0),
+    "no_sink": ({"name": "kvquant", **KVQ_FULL, "sink": False}, 6.2),
+    "no_outliers_no_sink": ({"name": "kvquant", **KVQ_FULL, "outlier_fraction": 0.0, "sink": False}, 8.0),
+}
+WINDOWS = 4
+
+
+def kvq_ppl(row: str, bits: int | None, i: int) -> float:
+    if row == "fp16":
+        return 5.5 + 0.1 * i
+    return KVQ_ARMS[row][1] + (4 - bits) * 0.75 + 0.1 * i + 0.01 * bits * i
+
+
+def kvq_eff(row: str, bits: int | None, i: int) -> float:
+    return 16.0 if row == "fp16" else bits + 0.25 + 0.05 * i + (0.5 if row == "full" else 0.0)
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    windows = [f"w{i}" for i in range(WINDOWS)]
+    for bits in (2, 3, 4):
+        for row, (node, _) in KVQ_ARMS.items():
+            rows = [
+                (w, {"ppl": kvq_ppl(row, bits, i), "effective_bits": kvq_eff(row, bits, i)})
+                for i, w in enumerate(windows)
+            ]
+            label = f"{node['name']}-{bits}b-{row}"
+            _write_run(
+                root, "kvquant_ablation", "perplexity", label, {**node, "bits": bits}, bits, 0, rows, "ppl"
+            )
+    rows = [(w, {"ppl": kvq_ppl("fp16", None, i), "effective_bits": 16.0}) for i, w in enumerate(windows)]
+    _write_run(root, "kvquant_ablation", "perplexity", "fp16", None, None, 0, rows, "ppl")
+
+    # SpeCache k ablation: 1-bit SpeCache at five k, FP16; 5 samples x 2 seeds
+    for seed in (0, 1):
+        for k in (0, 16, 32, 64, 128):
+            node = {"name": "specache", "bits": 1, "group_size": 32, "topk": k, "zero_point": "specache"}
+            rows = [(f"s{i}", {"score": spec_score(k, i, seed)}) for i in range(5)]
+            _write_run(root, "specache_k_ablation", "niah", f"specache-1b-k{k}", node, 1, seed, rows, "score")
+        rows = [(f"s{i}", {"score": spec_score(None, i, seed)}) for i in range(5)]
+        _write_run(root, "specache_k_ablation", "niah", "fp16", None, None, seed, rows, "score")
+
+    # SpeCache hit rates: the FP16 cache, every policy at every sparsity, 3 windows
+    rows = [(f"w{i}", {"hit_rate": 0.5, "hit_rates": hit_rates(i)}) for i in range(3)]
+    _write_run(root, "specache_hitrate", "pg19_hitrate", "fp16", None, None, 0, rows, "hit_rate")
+    return frames_from_runs(root)
+
+
+def spec_score(k: int | None, i: int, seed: int) -> float:
+    if k is None:
+        return 1.0 if (i + seed) % 5 else 0.5
+    return min(1.0, (k / 128 + (i % 3) / 3 + seed * 0.1) / 1.5)
+
+
+SPARSITIES = ("0.005", "0.01", "0.02", "0.05", "0.1")
+POLICIES = ("exact_topk", "specache", "h2o")
+
+
+def hit_rates(i: int) -> dict:
+    return {
+        p: {s: round(0.3 + 0.1 * j + 0.5 * float(s) + 0.01 * i, 6) for s in SPARSITIES}
+        for j, p in enumerate(POLICIES)
+    }
+
+
+def _layout(paper: str, node: str) -> papers.Layout:
+    return next(layout for layout in papers.layouts(paper) if layout.node == node)
+
+
+def _table(layout, frames, n_resamples=500):
+    node_frames = {n: papers._model_frame(frames, n, MODEL) for n in layout.nodes}
+    plans = {n: (papers.plan_of(f) if f is not None else {}) for n, f in node_frames.items()}
+    return papers.table(layout, node_frames, plans, n_resamples=n_resamples)[0].set_index(
+        layout.corner or " "
+    )
+
+
+def assert_cell(text: str, want: float, digits: int) -> None:
+    """The cell reads ``mean [low, high]`` with the mean computed by hand, to the table's digits,
+    inside its interval."""
+    mean, low, high = _mean_and_ci(text)
+    assert text.split(" [")[0] == f"{want:.{digits}f}", (text, want)
+    assert low <= mean <= high and low <= high
+
+
+def _mean_and_ci(text: str) -> tuple[float, float, float]:
+    m = re.fullmatch(r"(-?[\d.]+) \[(-?[\d.]+), (-?[\d.]+)\]", text)
+    assert m, text
+    return tuple(float(g) for g in m.groups())
+
+
+# ----------------------------------------------------------------------------------------- tests
+
+
+def test_kvquant_cells_are_the_hand_computed_means_with_the_published_value_beside(frames):
+    layout = _layout("kvquant", "kvquant_ablation")
+    table = _table(layout, frames)
+    labels = {r.key: r.label for r in layout.rows}
+    assert list(table.index) == [r.label for r in layout.rows]
+    for key, label in labels.items():
+        for bits in (4, 3, 2):
+            want = np.mean([kvq_ppl(key, bits, i) for i in range(WINDOWS)])
+            assert_cell(table.loc[label, f"{bits}-bit ppl"], want, 2)
+            assert _mean_and_ci(table.loc[label, f"{bits}-bit ppl"])[1] < want  # a real interval
+            eff = np.mean([kvq_eff(key, bits, i) for i in range(WINDOWS)])
+            assert table.loc[label, f"{bits}-bit eff. bits"] == f"{eff:.2f}"  # accounting: no interval
+    # the published values sit in the column right after their cell, only on the full method's row
+    columns = list(table.columns)
+    for bits, bound, ratio in ((4, "0.02", "3.7x"), (3, "0.1", "4.8x"), (2, "0.5", "6.9x")):
+        ppl = columns.index(f"{bits}-bit ppl")
+        assert columns[ppl + 1] == f"{bits}-bit ppl (paper)"
+        published = table[f"{bits}-bit ppl (paper)"]
+        assert published[labels["full"]] == f"FP16 + < {bound}"
+        assert (published.drop(labels["full"]) == "").all()
+        assert table.loc[labels["full"], f"{bits}-bit eff. bits (paper)"].startswith(ratio)
+    # FP16 ignores bits: one configuration, the same mean in every bit column
+    fp16 = np.mean([kvq_ppl("fp16", None, i) for i in range(WINDOWS)])
+    for bits in (4, 3, 2):
+        assert_cell(table.loc["FP16", f"{bits}-bit ppl"], fp16, 2)
+
+
+def test_specache_k_ablation_columns_are_k(frames):
+    layout = _layout("specache", "specache_k_ablation")
+    table = _table(layout, frames)
+    row = "SpeCache-1 (g=32)"
+    for k in (0, 16, 32, 64, 128):
+        want = np.mean([spec_score(k, i, seed) for seed in (0, 1) for i in range(5)])
+        assert_cell(table.loc[row, f"k={k}"], want, 3)
+    fp16 = np.mean([spec_score(None, i, seed) for seed in (0, 1) for i in range(5)])
+    fp16_cells = {table.loc["FP16", f"k={k}"] for k in (0, 16, 32, 64, 128)}
+    assert len(fp16_cells) == 1
+    assert_cell(fp16_cells.pop(), fp16, 3)
+    assert table.loc[row, "k=16 (paper)"].startswith("markedly above k=0")
+    assert table.loc["FP16", "k=16 (paper)"] == "" and "k=32 (paper)" not in table.columns
+
+
+def test_hit_rate_cells_read_the_policy_and_sparsity_of_the_dict_column(frames):
+    layout = _layout("specache", "specache_hitrate")
+    table = _table(layout, frames)
+    for row in layout.rows:
+        for column in layout.columns:
+            policy, sparsity = row.vars["policy"], column.vars["sparsity"]
+            want = np.mean([hit_rates(i)[policy][sparsity] for i in range(3)])
+            assert_cell(table.loc[row.label, column.label], want, 3)
+    assert table.loc["query-dependent top-k (exact)", "0.5 % (paper)"] == "about 0.90"
+
+
+def test_a_node_without_runs_gives_its_run_line(frames):
+    # published values: the table is still shown, every measured cell empty
+    lines = papers.render(_layout("specache", "specache_niah"), frames, MODEL, n_resamples=100)
+    assert "No runs on tiny yet: `python -m kvbench -m +experiment=specache_niah`." in lines
+    text = "\n".join(lines)
+    assert "| KIVI-1 (g=32, R=128) | - | retrieval severely damaged |" in text
+    # no published values: the run line alone
+    lines = papers.render(_layout("semkv", "semkv_interpolation_above_cliff"), frames, MODEL)
+    assert run_line_of("semkv_interpolation_above_cliff") in lines
+    assert not any(line.startswith("|") for line in lines)
+    # runs on another model are no runs on this one
+    lines = papers.render(_layout("kvquant", "kvquant_ablation"), frames, "other", n_resamples=100)
+    assert "No runs on other yet: `python -m kvbench -m +experiment=kvquant_ablation`." in lines
+
+
+def run_line_of(node: str) -> str:
+    return f"No runs on {MODEL} yet: `python -m kvbench -m +experiment={node}`."
+
+
+def test_attention_probe_renders_when_its_frame_exists(frames, tmp_path):
+    layout = _layout("ott", "attention_probe")
+    assert run_line_of("attention_probe") in papers.render(layout, frames, MODEL)
+    errs = {"fp16": 1e-4, "kivi-2b": 0.30, "ott-2b": 0.12}
+    nodes = {"fp16": None, "kivi-2b": {"name": "kivi", "bits": 2}, "ott-2b": {"name": "ott", "bits": 2}}
+    for label, err in errs.items():
+        bits = None if label == "fp16" else 2
+        rows = [(f"w{i}", {"rel_err": err * (1 + 0.1 * i)}) for i in range(4)]
+        _write_run(
+            tmp_path, "attention_probe", "attention_probe", label, nodes[label], bits, 0, rows, "rel_err"
+        )
+    probe = frames_from_runs(tmp_path)
+    lines = papers.render(layout, {**frames, **probe}, MODEL, n_resamples=200)
+    assert run_line_of("attention_probe") not in lines
+    table = _table(layout, {**frames, **probe})
+    for label, err in (("FP16", 1e-4), ("KIVI-2", 0.30), ("OTT-2", 0.12)):
+        want = np.mean([err * (1 + 0.1 * k) for k in range(4)])
+        assert_cell(table.loc[label, "relative attention-output error"], want, 4)
+
+
+def test_a_selector_matching_two_configurations_says_so(frames):
+    loose = {"method": "kvquant", "bits": 2, "config": {"outlier_fraction": 0.0}}
+    layout = papers.Layout(
+        paper="kvquant",
+        node="kvquant_ablation",
+        title="t",
+        where="w",
+        published_on="m",
+        rows=(papers.arm("loose", "no outliers", loose),),
+        columns=(papers.axis("ppl", "ppl"),),
+    )
+    text = _table(layout, frames).loc["no outliers", "ppl"]
+    assert text == "2 configurations: kvquant-2b-no_outliers, kvquant-2b-no_outliers_no_sink"
+
+
+def test_paper_page_keeps_the_claims_and_replaces_the_generic_rows(frames):
+    results = report.claims_results(frames, REPO / "results" / "claims.yaml", [MODEL], n_resamples=100)
+    page = report.paper_markdown("kvquant", results[MODEL], frames, MODEL, n_resamples=100)
+    assert "## Claims" in page and "| kvquant-pre-rope |" in page
+    assert "## KVQuant: the components one at a time" in page
+    assert "## kvquant_ablation" not in page  # the generic per-node table is gone where a layout is
+    ppl4 = np.mean([kvq_ppl("full", 4, i) for i in range(WINDOWS)])
+    eff4 = np.mean([kvq_eff("full", 4, i) for i in range(WINDOWS)])
+    assert f"| KVQuant: pre-RoPE, nuq, 1% outliers, FP16 sink | {ppl4:.2f} [" in page
+    assert f"| FP16 + < 0.02 | {eff4:.2f} | 3.7x smaller than FP16 |" in page
+    kivi = report.paper_markdown("kivi", results[MODEL], frames, MODEL, n_resamples=100)
+    assert "task=longbench" in kivi and run_line_of("kivi_gsm8k") in kivi
+
+
+# --------------------------------------------------------- the selectors against the real nodes
+
+
+def test_every_layout_resolves_and_names_known_nodes():
+    nodes = set()
+    for layout in papers.all_layouts():
+        papers.check(layout)
+        nodes |= set(layout.nodes)
+        assert layout.paper in report.PAPER_TITLES
+    existing = {p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml")}
+    # attention_probe is being added on another branch; every other node must exist
+    assert nodes - existing <= {"attention_probe"}
+    kvquant = _layout("kvquant", "kvquant_ablation")
+    with pytest.raises(papers.LayoutError, match="no variable 'bits'"):
+        papers.cell(kvquant, kvquant.rows[1], papers.axis("x", "x"))
+    with pytest.raises(papers.LayoutError, match="exactly one of the row and the column"):
+        papers.cell(kvquant, kvquant.rows[1], papers.FP16)
+
+
+def _sweep(node: str) -> list[dict[str, str]]:
+    """Every combination of the node's sweep values, the seed at its first value."""
+    params = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "experiment" / f"{node}.yaml").hydra)
+    params = {k: [v.strip() for v in str(vs).split(",")] for k, vs in params["sweeper"]["params"].items()}
+    params["seed"] = params.get("seed", ["0"])[:1]
+    keys = list(params)
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*params.values())]
+
+
+def _composed(node: str) -> pd.DataFrame:
+    """One row per configuration the node's sweep runs, with the frame columns selectors read:
+    the label, the method's registered name, the bits the run records and the method node it
+    writes to config.json."""
+    rows = []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for point in _sweep(node):
+            overrides = [f"+experiment={node}", *(f"{k}={v}" for k, v in point.items())]
+            cfg = to_plain(compose("config", overrides=overrides))
+            method = build_method(cfg.get("method"), bits=cfg.get("bits"))
+            node_cfg = run_config(cfg).get("method") or {"name": "fp16"}
+            rows.append(
+                {
+                    "method": f"{method.label()}|{sorted(node_cfg.items())}",
+                    "method_name": method.registered_name,
+                    "bits": math.nan if method.config.bits is None else float(method.config.bits),
+                    "method_config": node_cfg,
+                }
+            )
+    frame = pd.DataFrame(rows)
+    return frame.drop_duplicates(subset="method").reset_index(drop=True)
+
+
+NODE_LAYOUTS = sorted(
+    {(layout.paper, layout.node) for layout in papers.all_layouts() if layout.node != "attention_probe"}
+)
+
+
+@pytest.mark.parametrize("paper, node", NODE_LAYOUTS)
+def test_every_selector_picks_one_configuration_of_its_node(paper, node):
+    """Each cell of the layout, resolved against the configurations the node's sweep composes (its
+    arms, its bits), matches exactly one of them: selectors use method names and config keys and
+    values that exist."""
+    layout = _layout(paper, node)
+    composed = {n: _composed(n) for n in layout.nodes}
+    for row in layout.rows:
+        for column in layout.columns:
+            spec = papers.cell(layout, row, column)
+            matched = select(composed[spec.node], spec.selector)
+            assert len(matched) == 1, (spec.node, row.key, column.key, list(matched["method"]))
+    if node == "specache_hitrate":  # the sparsities are the task's keys
+        sparsities = OmegaConf.load(Path(CONF_DIR) / "experiment" / f"{node}.yaml").task.sparsities
+        assert [c.vars["sparsity"] for c in layout.columns] == [sparsity_key(s) for s in sparsities]
