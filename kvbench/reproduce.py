@@ -399,19 +399,18 @@ def plan_node(
             plan.output_root = str(master.output.root)
             stored = stored_seconds(node, plan.output_root, results)
             folders: dict[Path, int] = {}
-            for i, (label, job_overrides) in enumerate(jobs):
-                job = Job(label, job_overrides)
-                plan.jobs.append(job)
+            plan.jobs = [Job(label, job_overrides) for label, job_overrides in jobs]
+            for i, job in enumerate(plan.jobs):
                 if i > 0 and not compose:
                     first = plan.jobs[0]
                     job.samples, job.seconds, job.source = first.samples, first.seconds, first.source
                     continue
-                config = run_config(loader.load_sweep_config(master, job_overrides))
+                config = run_config(loader.load_sweep_config(master, job.overrides))
                 job.samples = samples_per_job(config)
                 job.folder, job.method, job.model = _run_folder(config)
                 if compose:
-                    job.same_as = folders.setdefault(job.folder, i)
-                    job.same_as = None if job.same_as == i else job.same_as
+                    first_of_run = folders.setdefault(job.folder, i)
+                    job.same_as = first_of_run if first_of_run != i else None
                     job.done, job.complete = _stored_progress(job.folder)
                 times = stored.get((job.model, job.method)) or [
                     s for (m, _), v in stored.items() if m == job.model for s in v
@@ -474,7 +473,7 @@ def summary_rows(plans: Sequence[NodePlan]) -> list[dict[str, Any]]:
                 "node": p.node,
                 "jobs": len(p.jobs) if not p.error else "-",
                 "runs": len(p.runs) if not p.error else "-",
-                "samples/job": "/".join(map(str, per_job)) if per_job else "-",
+                "samples/job": "/".join(map(str, per_job)) if per_job and not p.error else "-",
                 "todo": p.todo if not p.error else "-",
                 _cost_column(p.profile): _cost_value(p.estimate_s(), p.profile) if not p.error else "-",
                 "status": p.error or ("done" if p.complete else "to run"),
