@@ -63,7 +63,9 @@ Cost estimate, seconds per sample, in this order:
    7 s per 1K-token sample, results/specache_niah.md). A quantizing method costs 1.3x FP16 (the same
    records: 133-147 s against 110 s), SpeCache 20x (its per-step prefetch, results/specache_niah.md).
    Measured once more for this estimate: a 1K-token NIAH sample under ``nice -n 19`` beside a long
-   experiment took 68 s, so on a busy machine expect several times the estimate.
+   experiment took 68 s (the model says 7 s), and the records made beside other jobs show 3-10x
+   (semkv_cliff's note: ~33 s per 512-token sample; GSM8K at load 15-20: 150 s per problem), so
+   the dry run says so under a modelled CPU total.
 
    GPU (the papers' 7-8B models in float16 on one A100/H100-class GPU, assumed, not measured):
    prefill ``(2 P T + 2 L d T^2) / 150 TFLOP/s`` (P parameters, L layers, d model width: the
@@ -495,6 +497,8 @@ def dry_run(plans: Sequence[NodePlan], say=print) -> None:
         f"{sum(p.todo for p in ok)} samples to run, about {_cost(total, profile)}"
         + (f"; {len(plans) - len(ok)} node(s) cannot run" if len(ok) < len(plans) else "")
     )
+    if profile == "cpu" and any(j.source == "model" for p in ok for j in p.runs):
+        say("(modelled times are an idle machine's; runs recorded here beside other jobs took 3-10x longer)")
 
 
 # ------------------------------------------------------------------------------------------- run

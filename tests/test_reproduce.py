@@ -103,15 +103,19 @@ def test_dry_run_finds_shared_runs_and_stored_samples(workdir):
     assert plan.estimate_s() == pytest.approx(4 * 10 + 8 * kivi4.seconds + overhead)
 
 
-@pytest.mark.parametrize("profile, unit", [("cpu", "est_min"), ("paper", "est_gpu_h")])
-def test_dry_run_prints_jobs_table_and_total(workdir, capsys, profile, unit):
+@pytest.mark.parametrize(
+    "profile, unit, todo", [("cpu", "est_min", 3 * 8 + 4), ("paper", "est_gpu_h", 3 * 1319 + 4)]
+)
+def test_dry_run_prints_jobs_table_and_total(workdir, capsys, profile, unit, todo):
     assert (
         reproduce.main(["--dry-run", "--profile", profile, "--only", "kivi_gsm8k", "specache_hitrate"]) == 0
     )
     out = capsys.readouterr().out
     assert "kivi_gsm8k (+experiment=" in out and "4 jobs, 3 runs" in out
     assert "same run as job 0" in out and unit in out
-    assert out.strip().splitlines()[-1].startswith("total: 5 jobs, 4 runs")
+    total = [line for line in out.splitlines() if line.startswith("total: ")]
+    assert len(total) == 1 and total[0].startswith(f"total: 5 jobs, 4 runs, {todo} samples to run, about ")
+    assert ("idle machine" in out) == (profile == "cpu")  # no stored runs: every time is modelled
     if profile == "paper":
         assert "+experiment=paper/kivi_gsm8k" in out and "1319 samples" in out and "GPU h" in out
 
