@@ -42,8 +42,8 @@ product of the node's ``hydra.sweeper.params`` and any ``--override`` sweep), ea
 its run folder: jobs that map to one run (FP16 ignores ``bits``) are marked, and samples already
 stored are counted. Then a table per node: jobs, distinct runs, samples per job, samples still to
 run, and the estimated cost of what is left, with a total. Samples per job come from the task node
-(NIAH: lengths x depths; perplexity, PG-19 hit rate: windows; GSM8K: the test set's 1319 or
-``limit``), else the plan's declared ``analysis.n``.
+(NIAH: lengths x depths; perplexity, PG-19 hit rate, attention probe: windows; GSM8K: the test
+set's 1319 or ``limit``), else the plan's declared ``analysis.n``.
 
 Cost estimate, seconds per sample, in this order:
 
@@ -56,7 +56,8 @@ Cost estimate, seconds per sample, in this order:
    tokens in results/gsm8k.md), ``S`` = 256, the generation cap, an upper bound; PG-19 hit rate:
    ``T`` = context_length, ``S`` = decode_positions, times 75 for the simulation of every policy at
    every measured position and layer (one 2048-token window took ~13 min where the prefill model
-   gives ~10 s); other tasks: ``T`` = 1024, ``S`` = 32).
+   gives ~10 s); attention probe: ``T`` = context_length, ``S`` = steps (its note: 8-11 s per
+   1024-token window on this CPU, the model 6-8 s); other tasks: ``T`` = 1024, ``S`` = 32).
 
    CPU (the default model on this 2-core machine): ``5 s x T/1000 + 0.1 s x S``, fitted to the FP16
    NIAH runs recorded here (12 s per 2K-token sample with 32 new tokens, results/foundation_niah.md;
@@ -175,7 +176,7 @@ def samples_per_job(config: dict[str, Any]) -> int:
     task = dict(config.get("task") or {})
     name = task.get("name")
     declared = int((config.get("analysis") or {}).get("n") or 1)
-    if name not in ("niah", "perplexity", "pg19_hitrate", "gsm8k") or name not in TASKS:
+    if name not in ("niah", "perplexity", "pg19_hitrate", "attention_probe", "gsm8k") or name not in TASKS:
         return declared
     cfg = build_config(TASKS.get(name).Config, task, "task")
     if name == "niah":
@@ -207,6 +208,9 @@ def sample_work(config: dict[str, Any]) -> tuple[float, float, float]:
     if name == "pg19_hitrate":
         context = task.get("context_length", 2048)
         return context, task.get("decode_positions") or 32, context
+    if name == "attention_probe":
+        context = task.get("context_length", 1024)
+        return context, task.get("steps") or 8, context
     if name in ("gsm8k", "lmeval"):
         return 1100, task.get("max_gen_toks") or 256, 1200
     if name == "longbench":

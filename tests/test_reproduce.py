@@ -28,6 +28,7 @@ PAPER_MODELS = {
     "ott": "llama3-8b-instruct",
     "specache": "llama3-8b-instruct",
     "semkv": "llama3.1-8b-instruct",
+    "attention": "llama3-8b-instruct",  # attention_probe tests OTT's claim
 }
 
 
@@ -60,7 +61,7 @@ def test_dry_run_lists_every_node_with_the_product_of_its_sweep(workdir):
     intactkv = reproduce.plan_node("intactkv_ppl", compose=False, results=workdir)
     assert len(intactkv.jobs) == 1 * 2 * 5
     assert intactkv.jobs[0].label == "bits=2 +experiment/arms/intactkv_ppl@method=fp16"
-    assert intactkv.jobs[0].samples == 8  # task.windows
+    assert intactkv.jobs[0].samples == load_experiment("intactkv_ppl")["task"]["windows"]
 
 
 def _write_run(folder: Path, samples: list[str], seconds: float, model: str, method: str, finished: bool):
@@ -71,7 +72,12 @@ def _write_run(folder: Path, samples: list[str], seconds: float, model: str, met
         (folder / "metrics.json").write_text("{}\n")
 
 
+GSM8K_LIMIT = load_experiment("kivi_gsm8k")["task"]["limit"]  # problems per job at CPU size
+HITRATE_WINDOWS = load_experiment("specache_hitrate")["task"]["windows"]
+
+
 def test_dry_run_finds_shared_runs_and_stored_samples(workdir):
+    n = GSM8K_LIMIT
     plan = reproduce.plan_node("kivi_gsm8k", results=workdir)
     labels = [j.label for j in plan.jobs]
     assert labels == [
@@ -82,7 +88,7 @@ def test_dry_run_finds_shared_runs_and_stored_samples(workdir):
     ]
     # FP16 ignores bits: its two jobs write one run folder
     assert [j.same_as for j in plan.jobs] == [None, 0, None, None] and len(plan.runs) == 3
-    assert [j.samples for j in plan.jobs] == [8] * 4 and plan.todo == 24
+    assert [j.samples for j in plan.jobs] == [n] * 4 and plan.todo == 3 * n
     fp16, _, kivi2, kivi4 = plan.jobs
     assert fp16.folder.parts[:5] == ("results", "runs", "experiments", "kivi_gsm8k", "gsm8k")
     assert (fp16.method, kivi2.method, fp16.model) == ("fp16", "kivi-2b", "smollm2-135m")
@@ -90,21 +96,28 @@ def test_dry_run_finds_shared_runs_and_stored_samples(workdir):
     base = reproduce.CPU_PREFILL_S_PER_KTOK * 1.1 + reproduce.CPU_STEP_S * 256
     assert fp16.seconds == pytest.approx(base) and kivi2.seconds == pytest.approx(1.3 * base)
 
-    # fp16 finished, KIVI-2 half done at 10 s per sample
-    _write_run(workdir / fp16.folder, [f"s{i}" for i in range(8)], 4.0, "smollm2-135m", "fp16", True)
-    _write_run(workdir / kivi2.folder, ["s0", "s1", "s2", "s3"], 10.0, "smollm2-135m", "kivi-2b", False)
+    # fp16 finished at 4 s per sample, KIVI-2 one sample short at 10 s per sample
+    _write_run(workdir / fp16.folder, [f"s{i}" for i in range(n)], 4.0, "smollm2-135m", "fp16", True)
+    _write_run(
+        workdir / kivi2.folder, [f"s{i}" for i in range(n - 1)], 10.0, "smollm2-135m", "kivi-2b", False
+    )
     plan = reproduce.plan_node("kivi_gsm8k", results=workdir)
     fp16, _, kivi2, kivi4 = plan.jobs
-    assert (fp16.complete, fp16.done, kivi2.complete, kivi2.done) == (True, 8, False, 4)
+    assert (fp16.complete, fp16.done, kivi2.complete, kivi2.done) == (True, n, False, n - 1)
     assert (kivi2.seconds, kivi2.source) == (10.0, "stored")
-    assert kivi4.source == "stored (node)" and kivi4.seconds == pytest.approx((8 * 4 + 4 * 10) / 12)
-    assert plan.todo == 4 + 8 and not plan.complete
+    node_mean = (n * 4 + (n - 1) * 10) / (2 * n - 1)  # no kivi-4b rows: the node's rows on this model
+    assert kivi4.source == "stored (node)" and kivi4.seconds == pytest.approx(node_mean)
+    assert plan.todo == 1 + n and not plan.complete
     overhead = 2 * reproduce.CPU_RUN_OVERHEAD_S
-    assert plan.estimate_s() == pytest.approx(4 * 10 + 8 * kivi4.seconds + overhead)
+    assert plan.estimate_s() == pytest.approx(1 * 10 + n * node_mean + overhead)
 
 
 @pytest.mark.parametrize(
-    "profile, unit, todo", [("cpu", "est_min", 3 * 8 + 4), ("paper", "est_gpu_h", 3 * 1319 + 4)]
+    "profile, unit, todo",
+    [
+        ("cpu", "est_min", 3 * GSM8K_LIMIT + HITRATE_WINDOWS),
+        ("paper", "est_gpu_h", 3 * 1319 + HITRATE_WINDOWS),
+    ],
 )
 def test_dry_run_prints_jobs_table_and_total(workdir, capsys, profile, unit, todo):
     assert (
@@ -181,7 +194,7 @@ def test_reproduce_runs_every_node_once_then_archives_and_regenerates(workdir, m
     # one node is stored in full already: it is not started
     plan = reproduce.plan_node("specache_hitrate", results=workdir)
     (job,) = plan.jobs
-    _write_run(workdir / job.folder, ["w0", "w1", "w2", "w3"], 1.0, job.model, job.method, True)
+    _write_run(workdir / job.folder, [f"w{i}" for i in range(job.samples)], 1.0, job.model, job.method, True)
 
     code = reproduce.main(["--runs", "runs", "--results", "res", "--threads", "1"])
     assert code == 1  # one node failed
