@@ -62,7 +62,8 @@ Cost estimate, seconds per sample, in this order:
    CPU (the default model on this 2-core machine): ``5 s x T/1000 + 0.1 s x S``, fitted to the FP16
    NIAH runs recorded here (12 s per 2K-token sample with 32 new tokens, results/foundation_niah.md;
    7 s per 1K-token sample, results/specache_niah.md). A quantizing method costs 1.3x FP16 (the same
-   records: 133-147 s against 110 s), SpeCache 20x (its per-step prefetch, results/specache_niah.md).
+   records: 133-147 s against 110 s), SpeCache 20x (its per-step prefetch, results/specache_niah.md),
+   ReadKV 3.5x (its query-adaptive reads: 30 s against 8 s per window in attention_probe's note).
    Measured once more for this estimate: a 1K-token NIAH sample under ``nice -n 19`` beside a long
    experiment took 68 s (the model says 7 s), and the records made beside other jobs show 3-10x
    (semkv_cliff's note: ~33 s per 512-token sample; GSM8K at load 15-20: 150 s per problem), so
@@ -114,7 +115,10 @@ GPU_BYTES_PER_S = 1.5e12
 GPU_STEP_FLOOR_S = 0.025
 GPU_RUN_OVERHEAD_S = 120.0
 TASK_FACTOR = {"pg19_hitrate": 75.0}
-METHOD_FACTOR = {"cpu": {"fp16": 1.0, "specache": 20.0}, "paper": {"fp16": 1.0, "specache": 4.0}}
+METHOD_FACTOR = {
+    "cpu": {"fp16": 1.0, "specache": 20.0, "readkv": 3.5},
+    "paper": {"fp16": 1.0, "specache": 4.0},
+}
 DEFAULT_METHOD_FACTOR = {"cpu": 1.3, "paper": 2.0}
 # name: (parameters, layers, model width, float16 KV bytes per token)
 MODEL_SHAPES = {
