@@ -17,7 +17,7 @@ ifeq ($(USE_SHARED_DATA),1)
 export KVBENCH_DATA_DIR ?= $(if $(wildcard $(SHARED_DATA)),$(SHARED_DATA),)
 endif
 
-.PHONY: setup assets demo test lint format clean figures results
+.PHONY: setup assets demo test lint format clean figures results reproduce reproduce-dry
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,17 @@ figures: setup
 # with: $(PY) -m kvbench.report --archive results/runs
 results: setup
 	$(PY) -m kvbench.report --regenerate
+
+# Every experiment node at its CPU size, one after another, then the archives and `make results`
+# (kvbench/reproduce.py). Resumable: a rerun starts only what is not stored yet. Flags go through
+# REPRODUCE, e.g. REPRODUCE="--only semkv_cliff --threads 2" or REPRODUCE="--profile paper --launcher slurm".
+REPRODUCE ?=
+reproduce: assets
+	$(PY) -m kvbench.reproduce $(REPRODUCE)
+
+# What `make reproduce` would launch: every job, what is stored, the estimated cost (no run).
+reproduce-dry: setup
+	$(PY) -m kvbench.reproduce --dry-run $(REPRODUCE)
 
 clean:
 	rm -rf $(VENV)

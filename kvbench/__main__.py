@@ -48,10 +48,40 @@ def check_group_choices(argv: list[str]) -> None:
         if not sep or key not in CHECKED_GROUPS:
             continue
         folder = Path(CONF_DIR) / key
-        known = sorted(p.stem for p in folder.glob("*.yaml"))
+        known = experiment_choices() if key == "experiment" else sorted(p.stem for p in folder.glob("*.yaml"))
         for choice in value.split(","):
             if choice not in known:
                 raise ConfigError(key, choice, f"known {key} nodes: {', '.join(known)}")
+
+
+def experiment_choices(conf_dir: str = CONF_DIR) -> list[str]:
+    """Every ``+experiment=`` choice: the nodes ``NAME`` and their profile variants ``PROFILE/NAME``
+    (``conf/experiment/paper/NAME.yaml``, see :mod:`kvbench.reproduce`); the arms under ``arms/``
+    are method nodes, chosen through ``+experiment/arms/NAME@method``, not experiments."""
+    folder = Path(conf_dir) / "experiment"
+    found = (p.relative_to(folder).with_suffix("") for p in folder.rglob("*.yaml"))
+    return sorted(p.as_posix() for p in found if p.parts[0] != "arms")
+
+
+def load_experiment(name: str, conf_dir: str = CONF_DIR) -> dict:
+    """The node ``conf/experiment/NAME.yaml`` as a plain dict. A profile variant that includes its
+    node (``defaults: [/experiment/NODE, ...]``) comes back merged over that node, as Hydra composes
+    it: the node's keys, the variant's on top, both defaults lists (the variant's after the node's)."""
+    path = Path(conf_dir) / "experiment" / f"{name}.yaml"
+    node = OmegaConf.to_container(OmegaConf.load(path))
+    merged: dict = {}
+    defaults: list = []
+    for entry in node.get("defaults") or []:
+        base = entry.strip("/").partition("@")[0] if isinstance(entry, str) else ""
+        if base.startswith("experiment/"):
+            parent = load_experiment(base.partition("/")[2], conf_dir)
+            defaults += parent.pop("defaults", None) or []
+            merged = OmegaConf.to_container(OmegaConf.merge(merged, parent))
+        else:
+            defaults.append(entry)
+    own = {k: v for k, v in node.items() if k != "defaults"}
+    merged = OmegaConf.to_container(OmegaConf.merge(merged, own))
+    return {"defaults": defaults, **merged} if defaults else merged
 
 
 def _group_choice(key: str) -> str | None:
@@ -124,7 +154,7 @@ def check_experiment(name: str, conf_dir: str = CONF_DIR) -> None:
     from kvbench.results import analysis_plan
     from kvbench.tasks import TASKS
 
-    node = OmegaConf.to_container(OmegaConf.load(Path(conf_dir) / "experiment" / f"{name}.yaml"))
+    node = load_experiment(name, conf_dir)
     registered = {"task": set(TASKS.names()), "method": set(METHODS.names())}
     needs = experiment_requirements(node, conf_dir)
     missing = [f"arm conf/{arm} (no such file)" for arm in sorted(needs.pop("arm"))]
@@ -266,25 +296,49 @@ def sweep_points(argv_overrides: list[str], config_name: str, multirun: bool) ->
     """``(label, config)`` for every job the command would launch: the label names the swept values
     of a sweep point (empty for a single run). Expands a sweep the way Hydra's basic sweeper does,
     the node's own ``hydra.sweeper.params`` first, then the command line."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    loader = GlobalHydra.instance().config_loader()
+    if not multirun:
+        master = _compose(
+            loader,
+            config_name,
+            argv_overrides,
+            lambda: loader.load_configuration(config_name, argv_overrides, RunMode.RUN),
+        )
+        yield "", run_config(master)
+        return
+    sweep = sweep_jobs(argv_overrides, config_name)
+    if sweep is None:
+        return  # another sweeper expands its own search space; each job still checks itself
+    master, jobs = sweep
+    for label, job in jobs:
+        cfg = _compose(loader, config_name, job, lambda job=job: loader.load_sweep_config(master, job))
+        yield label, run_config(cfg)
+
+
+def sweep_jobs(argv_overrides: list[str], config_name: str = "config"):
+    """``(master, [(label, overrides), ...])``: the multirun's composed master config and the
+    override list of every job it launches, in Hydra's basic-sweeper order (the node's own
+    ``hydra.sweeper.params`` first, then the command line), without composing the jobs. ``label``
+    names the swept values of the job. None when the sweeper is not Hydra's basic one. Needs an
+    initialized Hydra (``initialize_config_dir``)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
 
     loader = GlobalHydra.instance().config_loader()
-    mode = RunMode.MULTIRUN if multirun else RunMode.RUN
     master = _compose(
         loader,
         config_name,
         argv_overrides,
-        lambda: loader.load_configuration(config_name, argv_overrides, mode),
+        lambda: loader.load_configuration(config_name, argv_overrides, RunMode.MULTIRUN),
     )
-    if not multirun:
-        yield "", run_config(master)
-        return
     sweeper = master.hydra.sweeper
     if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
-        return  # another sweeper expands its own search space; each job still checks itself
+        return None
     params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
     parsed = _compose(
         loader,
@@ -293,9 +347,8 @@ def sweep_points(argv_overrides: list[str], config_name: str, multirun: bool) ->
         lambda: OverridesParser.create(config_loader=loader).parse_overrides(params + argv_overrides),
     )
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
-    for job in BasicSweeper.split_arguments(parsed, None)[0]:
-        cfg = _compose(loader, config_name, job, lambda job=job: loader.load_sweep_config(master, job))
-        yield " ".join(o for o in job if o.partition("=")[0] in swept), run_config(cfg)
+    jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    return master, [(" ".join(o for o in job if o.partition("=")[0] in swept), list(job)) for job in jobs]
 
 
 def preflight(argv: list[str]) -> None:

@@ -1,6 +1,7 @@
 """Each paper's own table (kvbench.analysis.papers): cells are the per-configuration means of the
 runs the arm selectors pick, the published value sits beside its cell, a node without runs gives its
-run command, and every selector of every layout picks exactly one configuration of its node's sweep."""
+run command, and every selector of every layout picks exactly one configuration of its node's sweep
+(at CPU size or in the node's paper setting)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kvbench import report
+from kvbench.__main__ import load_experiment
 from kvbench.analysis import papers
 from kvbench.analysis.archive import frames_from_runs
 from kvbench.analysis.claims import select
@@ -304,8 +306,9 @@ def test_every_layout_resolves_and_names_known_nodes():
 
 
 def _sweep(node: str) -> list[dict[str, str]]:
-    """Every combination of the node's sweep values, the seed at its first value."""
-    params = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "experiment" / f"{node}.yaml").hydra)
+    """Every combination of the node's sweep values (a paper variant's merged over its node's), the
+    seed at its first value."""
+    params = load_experiment(node)["hydra"]
     params = {k: [v.strip() for v in str(vs).split(",")] for k, vs in params["sweeper"]["params"].items()}
     params["seed"] = params.get("seed", ["0"])[:1]
     keys = list(params)
@@ -335,6 +338,14 @@ def _composed(node: str) -> pd.DataFrame:
     return frame.drop_duplicates(subset="method").reset_index(drop=True)
 
 
+def _configurations(node: str) -> pd.DataFrame:
+    """What the node runs at CPU size and in its paper setting (conf/experiment/paper/NODE.yaml):
+    an arm that fits only the paper's model (KIVI's G=128 needs head_dim 128) is in the latter."""
+    names = [node] + [f"paper/{node}" for _ in (Path(CONF_DIR) / "experiment" / "paper").glob(f"{node}.yaml")]
+    frame = pd.concat([_composed(name) for name in names])
+    return frame.drop_duplicates(subset="method").reset_index(drop=True)
+
+
 NODE_LAYOUTS = sorted(
     {(layout.paper, layout.node) for layout in papers.all_layouts() if layout.node != "attention_probe"}
 )
@@ -343,10 +354,10 @@ NODE_LAYOUTS = sorted(
 @pytest.mark.parametrize("paper, node", NODE_LAYOUTS)
 def test_every_selector_picks_one_configuration_of_its_node(paper, node):
     """Each cell of the layout, resolved against the configurations the node's sweep composes (its
-    arms, its bits), matches exactly one of them: selectors use method names and config keys and
-    values that exist."""
+    arms, its bits; at CPU size or in its paper setting), matches exactly one of them: selectors use
+    method names and config keys and values that exist."""
     layout = _layout(paper, node)
-    composed = {n: _composed(n) for n in layout.nodes}
+    composed = {n: _configurations(n) for n in layout.nodes}
     for row in layout.rows:
         for column in layout.columns:
             spec = papers.cell(layout, row, column)

@@ -1,0 +1,686 @@
+"""``python -m kvbench.reproduce``: every experiment node, then the archives and every table.
+
+    python -m kvbench.reproduce                          # every node at its CPU size (make reproduce)
+    python -m kvbench.reproduce --dry-run                # the jobs, what is done, the estimated cost
+    python -m kvbench.reproduce --only semkv_cliff kivi_gsm8k --threads 2
+    python -m kvbench.reproduce --skip kivi_gsm8k --parallel 2
+    python -m kvbench.reproduce --profile paper --dry-run                 # GPU hours at the papers' sizes
+    python -m kvbench.reproduce --profile paper --launcher slurm --override hydra.launcher.partition=gpu
+
+The nodes are the files ``kvbench/conf/experiment/*.yaml`` (sub-folders are not nodes: ``arms/``
+holds method nodes, ``paper/`` the paper settings), found anew on every call, so a node added later
+is picked up without a list to edit. Each runs as ``python -m kvbench -m +experiment=NAME`` in a
+subprocess, one after another (``--parallel P``: P at once; ``--threads N`` sets
+``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` of each, by default the machine's cores shared among the P).
+A node that fails is reported and the others still run; then ``python -m kvbench.report --archive
+RUNS`` stores the per-sample archives and ``python -m kvbench.report --regenerate`` rewrites every
+table, figure and claim verdict from them. The summary table gives each node's jobs, wall seconds
+and status; the exit status is 1 when any node or step failed, 2 on bad arguments (an unknown node
+in ``--only``/``--skip`` is one line listing the known ones).
+
+Resuming. A run folder's id is a hash of its config and a rerun skips the samples it holds (and,
+when all are there, the model load too). On top of that, a node whose every run folder already
+holds ``metrics.json`` (written after the last sample) is not started at all: its status is
+``done``. So a second ``make reproduce`` redoes nothing and starts only what is missing.
+
+Profiles. ``--profile cpu`` (default) runs each node as it is: the node is the CPU setting. The paper
+setting of node NAME is ``conf/experiment/paper/NAME.yaml``, a variant that includes the node
+(``defaults: [/experiment/NAME, override /model: ..., _self_]``) and changes only the model, the
+context lengths and the sample counts (with ``analysis.n`` to match); its header says where each
+value comes from. It composes with plain Hydra: ``python -m kvbench -m +experiment=paper/NAME
+hydra/launcher=slurm`` is what ``--profile paper --launcher slurm`` runs. A variant beside the node
+keeps each paper setting in one file next to what it changes, inherits everything else (arms, sweep,
+analysis plan, output folder), and needs no machinery: a global ``+profile=paper`` group would have
+to hold every node's settings in one place, or select a per-node file through a defaults-list
+interpolation on the experiment choice, which Hydra does not offer for an appended group. Paper runs
+write into the node's own output folder and analysis unit under the paper's model name, so the
+claims are evaluated on that model. A node without a paper variant fails under ``--profile paper``
+(one line naming the file to add).
+
+Dry run (``--dry-run``). Every job of every selected node, in Hydra's basic-sweeper order (the
+product of the node's ``hydra.sweeper.params`` and any ``--override`` sweep), each composed to find
+its run folder: jobs that map to one run (FP16 ignores ``bits``) are marked, and samples already
+stored are counted. Then a table per node: jobs, distinct runs, samples per job, samples still to
+run, and the estimated cost of what is left, with a total. Samples per job come from the task node
+(NIAH: lengths x depths; perplexity, PG-19 hit rate, attention probe: windows; GSM8K: the test
+set's 1319 or ``limit``), else the plan's declared ``analysis.n``.
+
+Cost estimate, seconds per sample, in this order:
+
+1. stored: the mean ``seconds`` of the node's stored rows for the same model and method label (its
+   archive ``results/NAME/samples.csv.gz`` and the run folders under its ``output.root``), else for
+   the same model in the node;
+2. a cost model of the work in one sample: ``T`` prompt tokens prefilled, ``S`` forward steps after
+   it (NIAH: ``T`` = context length, ``S`` = max_new_tokens; perplexity: ``T`` = context_length,
+   ``S`` = continuation_length / chunk; GSM8K: ``T`` = 1100 (lm-eval's 5-shot prompts, 1071-1118
+   tokens in results/gsm8k.md), ``S`` = 256, the generation cap, an upper bound; PG-19 hit rate:
+   ``T`` = context_length, ``S`` = decode_positions, times 75 for the simulation of every policy at
+   every measured position and layer (one 2048-token window took ~13 min where the prefill model
+   gives ~10 s); attention probe: ``T`` = context_length, ``S`` = steps (its note: 8-11 s per
+   1024-token window on this CPU, the model 6-8 s); other tasks: ``T`` = 1024, ``S`` = 32).
+
+   CPU (the default model on this 2-core machine): ``5 s x T/1000 + 0.1 s x S``, fitted to the FP16
+   NIAH runs recorded here (12 s per 2K-token sample with 32 new tokens, results/foundation_niah.md;
+   7 s per 1K-token sample, results/specache_niah.md). A quantizing method costs 1.3x FP16 (the same
+   records: 133-147 s against 110 s), SpeCache 20x (its per-step prefetch, results/specache_niah.md),
+   ReadKV 3.5x (its query-adaptive reads: 30 s against 8 s per window in attention_probe's note).
+   Measured once more for this estimate: a 1K-token NIAH sample under ``nice -n 19`` beside a long
+   experiment took 68 s (the model says 7 s), and the records made beside other jobs show 3-10x
+   (semkv_cliff's note: ~33 s per 512-token sample; GSM8K at load 15-20: 150 s per problem), so
+   the dry run says so under a modelled CPU total.
+
+   GPU (the papers' 7-8B models in float16 on one A100/H100-class GPU, assumed, not measured):
+   prefill ``(2 P T + 2 L d T^2) / 150 TFLOP/s`` (P parameters, L layers, d model width: the
+   weights' and the causal attention's multiply-adds at about half of peak), each step
+   ``max(25 ms, (2 P + k t) / 1.5 TB/s)`` (the float16 weights and the cache of ``t`` tokens, ``k``
+   bytes per token, read once per step; 25 ms is an eager-mode step's floor), a quantizing method
+   2x (its cache is read and dequantized by unfused torch code), SpeCache 4x (host prefetch each
+   step). Each run adds its model load (CPU 15 s, GPU 120 s). Shapes are in :data:`MODEL_SHAPES`;
+   a model not listed is taken from the ``NNb`` in its name with a 7B-class shape.
+
+The CPU profile prints minutes, the paper profile GPU hours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbench.paths import CONF_DIR, default_results
+from kvbench.results import format_table
+
+PROFILES = ("cpu", "paper")
+# The folder under conf/experiment holding each profile's variants; None: the node itself.
+VARIANT_FOLDER = {"cpu": None, "paper": "paper"}
+DEFAULT_RUNS = "results/runs"
+GSM8K_TEST = 1319  # problems in GSM8K's test split
+
+# Cost model constants (see the module docstring).
+CPU_PREFILL_S_PER_KTOK = 5.0
+CPU_STEP_S = 0.1
+CPU_RUN_OVERHEAD_S = 15.0
+GPU_FLOPS = 150e12
+GPU_BYTES_PER_S = 1.5e12
+GPU_STEP_FLOOR_S = 0.025
+GPU_RUN_OVERHEAD_S = 120.0
+TASK_FACTOR = {"pg19_hitrate": 75.0}
+METHOD_FACTOR = {
+    "cpu": {"fp16": 1.0, "specache": 20.0, "readkv": 3.5},
+    "paper": {"fp16": 1.0, "specache": 4.0},
+}
+DEFAULT_METHOD_FACTOR = {"cpu": 1.3, "paper": 2.0}
+# name: (parameters, layers, model width, float16 KV bytes per token)
+MODEL_SHAPES = {
+    "smollm2-135m": (1.35e8, 30, 576, 2 * 30 * 3 * 64 * 2),
+    "llama2-7b": (6.74e9, 32, 4096, 2 * 32 * 32 * 128 * 2),
+    "llama3-8b-instruct": (8.03e9, 32, 4096, 2 * 32 * 8 * 128 * 2),
+    "llama3.1-8b-instruct": (8.03e9, 32, 4096, 2 * 32 * 8 * 128 * 2),
+    "mistral-7b-instruct-v0.2": (7.24e9, 32, 4096, 2 * 32 * 8 * 128 * 2),
+    "mistral-7b-instruct-v0.3": (7.25e9, 32, 4096, 2 * 32 * 8 * 128 * 2),
+}
+
+
+class ReproduceError(Exception):
+    """Bad arguments: printed as one line, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------------ nodes
+
+
+def discover(conf_dir: str | Path = CONF_DIR) -> list[str]:
+    """Every experiment node: ``conf/experiment/*.yaml`` (not the sub-folders: arms, variants)."""
+    return sorted(p.stem for p in (Path(conf_dir) / "experiment").glob("*.yaml"))
+
+
+def select(nodes: Sequence[str], only: Sequence[str] | None, skip: Sequence[str] | None) -> list[str]:
+    """``nodes`` restricted to ``only`` (in the conf folder's order) and without ``skip``; an unknown
+    name in either is a ReproduceError listing the known nodes."""
+    for flag, names in (("--only", only), ("--skip", skip)):
+        unknown = [n for n in names or [] if n not in nodes]
+        if unknown:
+            raise ReproduceError(
+                f"{flag}: unknown node {', '.join(unknown)}; known nodes: {', '.join(nodes)}"
+            )
+    chosen = [n for n in nodes if not only or n in only]
+    return [n for n in chosen if n not in (skip or [])]
+
+
+def config_name(node: str, profile: str, conf_dir: str | Path = CONF_DIR) -> str:
+    """The ``+experiment=`` choice of ``node`` under ``profile``: ``NAME`` or ``paper/NAME``.
+    ValueError (one line) when the profile's variant does not exist."""
+    folder = VARIANT_FOLDER[profile]
+    if folder is None:
+        return node
+    path = Path(conf_dir) / "experiment" / folder / f"{node}.yaml"
+    if not path.is_file():
+        raise ValueError(f"no {profile} setting: add conf/experiment/{folder}/{node}.yaml")
+    return f"{folder}/{node}"
+
+
+# -------------------------------------------------------------------------------------- samples
+
+
+def samples_per_job(config: dict[str, Any]) -> int:
+    """Samples one job runs, from its task node where the task's sample list is a function of its
+    config alone, else the experiment's declared ``analysis.n``."""
+    from kvbench.config import build_config
+    from kvbench.tasks import TASKS
+
+    task = dict(config.get("task") or {})
+    name = task.get("name")
+    declared = int((config.get("analysis") or {}).get("n") or 1)
+    if name not in ("niah", "perplexity", "pg19_hitrate", "attention_probe", "gsm8k") or name not in TASKS:
+        return declared
+    cfg = build_config(TASKS.get(name).Config, task, "task")
+    if name == "niah":
+        n = len(cfg.context_lengths) * len(cfg.depths)
+    elif name == "gsm8k":
+        n = GSM8K_TEST
+    else:
+        n = cfg.windows
+    return min(n, cfg.limit) if cfg.limit else n
+
+
+def sample_work(config: dict[str, Any]) -> tuple[float, float, float]:
+    """``(T, S, t)``: prompt tokens prefilled, forward steps after the prefill, and the mean cache
+    length of those steps, for one sample (the cost model's input; see the module docstring)."""
+    task = config.get("task") or {}
+    name = task.get("name")
+    if name == "niah":
+        if task.get("grid") == "kamradt":
+            lo, hi = task.get("min_length", 1024), task.get("max_length") or 8192
+            prompt = (lo + hi) / 2
+        else:
+            lengths = list(task.get("context_lengths") or [1024])
+            prompt = sum(lengths) / len(lengths)
+        steps = task.get("max_new_tokens") or 32
+        return prompt, steps, prompt
+    if name == "perplexity":
+        context, cont = task.get("context_length", 512), task.get("continuation_length", 64)
+        return context, math.ceil(cont / max(1, task.get("chunk") or 1)), context + cont / 2
+    if name == "pg19_hitrate":
+        context = task.get("context_length", 2048)
+        return context, task.get("decode_positions") or 32, context
+    if name == "attention_probe":
+        context = task.get("context_length", 1024)
+        return context, task.get("steps") or 8, context
+    if name in ("gsm8k", "lmeval"):
+        return 1100, task.get("max_gen_toks") or 256, 1200
+    if name == "longbench":
+        prompt = task.get("max_prompt_tokens") or 3500
+        return prompt, 128, prompt
+    return 1024, 32, 1024
+
+
+def model_shape(name: str) -> tuple[float, int, int, int]:
+    if name in MODEL_SHAPES:
+        return MODEL_SHAPES[name]
+    size = re.search(r"(\d+(?:\.\d+)?)b\b", name.lower())
+    params = float(size.group(1)) * 1e9 if size else 7e9
+    return params, 32, 4096, 2 * 32 * 8 * 128 * 2
+
+
+def modelled_seconds(config: dict[str, Any], profile: str) -> float:
+    """Seconds per sample from the cost model (module docstring)."""
+    prompt, steps, context = sample_work(config)
+    task = (config.get("task") or {}).get("name")
+    method = (config.get("method") or {}).get("name") or "fp16"
+    factor = TASK_FACTOR.get(task, 1.0) * METHOD_FACTOR[profile].get(method, DEFAULT_METHOD_FACTOR[profile])
+    if profile == "cpu":
+        return factor * (CPU_PREFILL_S_PER_KTOK * prompt / 1000 + CPU_STEP_S * steps)
+    params, layers, width, kv_bytes = model_shape(str((config.get("model") or {}).get("name")))
+    prefill = (2 * params * prompt + 2 * layers * width * prompt**2) / GPU_FLOPS
+    step = max(GPU_STEP_FLOOR_S, (2 * params + kv_bytes * context) / GPU_BYTES_PER_S)
+    return factor * (prefill + steps * step)
+
+
+# ---------------------------------------------------------------------------------------- stored
+
+
+def _rows(path: Path):
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("sample_id"), str):
+            yield row
+
+
+def stored_seconds(node: str, output_root: str | Path, results: str | Path) -> dict[tuple, list[float]]:
+    """``{(model, method label): [seconds per sample, ...]}`` from the node's archive and the run
+    folders under its output root."""
+    found: dict[tuple, list[float]] = {}
+
+    def add(model: Any, method: Any, seconds: Any) -> None:
+        if isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0:
+            found.setdefault((str(model), str(method)), []).append(float(seconds))
+
+    archive = Path(results) / node
+    if (archive / "samples.csv.gz").is_file():
+        from kvbench.analysis.archive import read_archive
+
+        try:
+            frame = read_archive(archive)
+        except (OSError, ValueError):
+            frame = None
+        if frame is not None and {"model", "method", "seconds"} <= set(frame.columns):
+            for model, method, seconds in zip(frame["model"], frame["method"], frame["seconds"], strict=True):
+                add(model, method, seconds)
+    root = Path(output_root)
+    if root.is_dir():
+        for path in root.rglob("samples.jsonl"):
+            for row in _rows(path):
+                add(row.get("model"), row.get("method"), row.get("seconds"))
+    return found
+
+
+# ----------------------------------------------------------------------------------------- plans
+
+
+@dataclass
+class Job:
+    """One job of a node's multirun."""
+
+    label: str
+    overrides: list[str]
+    samples: int = 0
+    folder: Path | None = None  # the run folder; None when the job was not composed
+    method: str = ""
+    model: str = ""
+    done: int = 0
+    complete: bool = False
+    same_as: int | None = None  # index of the earlier job of the same run folder
+    seconds: float = 0.0  # estimated per sample
+    source: str = "model"
+
+
+@dataclass
+class NodePlan:
+    node: str
+    profile: str
+    config_name: str | None = None
+    jobs: list[Job] = field(default_factory=list)
+    output_root: str = ""
+    error: str | None = None
+
+    @property
+    def runs(self) -> list[Job]:
+        """The first job of each distinct run (every job when the jobs were not composed)."""
+        return [j for j in self.jobs if j.same_as is None]
+
+    @property
+    def samples(self) -> int:
+        return sum(j.samples for j in self.runs)
+
+    @property
+    def todo(self) -> int:
+        return sum(j.samples - j.done for j in self.runs if not j.complete)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.jobs) and all(j.complete for j in self.runs)
+
+    def estimate_s(self) -> float:
+        """Seconds for what is left: the samples still to run, and a model load per unfinished run."""
+        overhead = CPU_RUN_OVERHEAD_S if self.profile == "cpu" else GPU_RUN_OVERHEAD_S
+        left = [j for j in self.runs if not j.complete]
+        return sum((j.samples - j.done) * j.seconds for j in left) + overhead * len(left)
+
+
+def _run_folder(config: dict[str, Any]) -> tuple[Path, str, str]:
+    """``(folder, method label, model name)`` the run of ``config`` writes, as
+    :func:`kvbench.run.plan_run` names it, without reading data or model files."""
+    from kvbench.config import build_config
+    from kvbench.methods import build_method
+    from kvbench.models import ModelConfig
+    from kvbench.results import run_id
+    from kvbench.run import run_config
+
+    config = run_config(config)
+    label = build_method(config.get("method")).label()
+    model = build_config(ModelConfig, config.get("model"), "model").name
+    seed = config.get("seed", 0)
+    folder = Path(config["output"]["root"]) / config["task"]["name"] / model / label
+    return folder / f"seed{seed}-{run_id(config)}", label, model
+
+
+def _stored_progress(folder: Path) -> tuple[int, bool]:
+    """(samples stored, finished) of a run folder."""
+    if not folder.is_dir():
+        return 0, False
+    done = {r["sample_id"] for r in _rows(folder / "samples.jsonl")}
+    return len(done), (folder / "metrics.json").is_file()
+
+
+def _planning_overrides(overrides: Sequence[str]) -> list[str]:
+    # The launcher and its knobs change where a job runs, not what it computes or writes.
+    return [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+
+
+def plan_node(
+    node: str,
+    profile: str = "cpu",
+    overrides: Sequence[str] = (),
+    compose: bool = True,
+    conf_dir: str | Path = CONF_DIR,
+    results: str | Path | None = None,
+) -> NodePlan:
+    """The jobs ``node`` launches under ``profile``. With ``compose`` every job is composed to find
+    its run folder, what is stored there and its cost; without, only the first job is (job count,
+    samples per job and the cost model hold for the node). Errors land in ``NodePlan.error``."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from kvbench.__main__ import run_config, sweep_jobs
+    from kvbench.errors import ConfigError
+
+    plan = NodePlan(node, profile)
+    try:
+        plan.config_name = config_name(node, profile, conf_dir)
+    except ValueError as err:
+        plan.error = str(err)
+        return plan
+    argv = [f"+experiment={plan.config_name}", *_planning_overrides(overrides)]
+    results = Path(results) if results is not None else default_results()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3", job_name="kvbench"):
+            loader = GlobalHydra.instance().config_loader()
+            sweep = sweep_jobs(argv)
+            if sweep is None:
+                plan.error = "the node's sweeper is not Hydra's basic sweeper: its jobs are not listed"
+                return plan
+            master, jobs = sweep
+            plan.output_root = str(master.output.root)
+            stored = stored_seconds(node, plan.output_root, results)
+            folders: dict[Path, int] = {}
+            plan.jobs = [Job(label, job_overrides) for label, job_overrides in jobs]
+            for i, job in enumerate(plan.jobs):
+                if i > 0 and not compose:
+                    first = plan.jobs[0]
+                    job.samples, job.seconds, job.source = first.samples, first.seconds, first.source
+                    continue
+                config = run_config(loader.load_sweep_config(master, job.overrides))
+                job.samples = samples_per_job(config)
+                job.folder, job.method, job.model = _run_folder(config)
+                if compose:
+                    first_of_run = folders.setdefault(job.folder, i)
+                    job.same_as = first_of_run if first_of_run != i else None
+                    job.done, job.complete = _stored_progress(job.folder)
+                times = stored.get((job.model, job.method)) or [
+                    s for (m, _), v in stored.items() if m == job.model for s in v
+                ]
+                if times:
+                    job.seconds = sum(times) / len(times)
+                    job.source = "stored" if (job.model, job.method) in stored else "stored (node)"
+                else:
+                    job.seconds = modelled_seconds(config, profile)
+            if not compose:
+                for job in plan.jobs:
+                    job.folder = None
+    except ConfigError as err:
+        plan.error = str(err)
+    except Exception as err:  # a node that does not compose is that node's failure, not the run's
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        plan.error = f"{type(err).__name__}: {first}"
+    return plan
+
+
+# ---------------------------------------------------------------------------------------- output
+
+
+def _cost(seconds: float, profile: str) -> str:
+    return f"{seconds / 60:.1f} min" if profile == "cpu" else f"{seconds / 3600:.2f} GPU h"
+
+
+def _cost_column(profile: str) -> str:
+    return "est_min" if profile == "cpu" else "est_gpu_h"
+
+
+def _cost_value(seconds: float, profile: str) -> float:
+    return round(seconds / 60, 1) if profile == "cpu" else round(seconds / 3600, 2)
+
+
+def format_jobs(plan: NodePlan) -> str:
+    """The node's jobs, one line each."""
+    head = f"{plan.node}" + (f" (+experiment={plan.config_name})" if plan.config_name else "")
+    if plan.error:
+        return f"{head}: {plan.error}"
+    lines = [f"{head}: {len(plan.jobs)} jobs, {len(plan.runs)} runs, output {plan.output_root}"]
+    width = max((len(j.label) for j in plan.jobs), default=0)
+    for i, job in enumerate(plan.jobs):
+        if job.same_as is not None:
+            state = f"same run as job {job.same_as}"
+        elif job.complete:
+            state = f"{job.samples} samples, done"
+        else:
+            state = f"{job.samples} samples, {job.done} stored, {job.seconds:.0f} s/sample ({job.source})"
+        lines.append(f"  {i:>3}  {job.label.ljust(width)}  {state}")
+    return "\n".join(lines)
+
+
+def summary_rows(plans: Sequence[NodePlan]) -> list[dict[str, Any]]:
+    rows = []
+    for p in plans:
+        per_job = sorted({j.samples for j in p.jobs})
+        rows.append(
+            {
+                "node": p.node,
+                "jobs": len(p.jobs) if not p.error else "-",
+                "runs": len(p.runs) if not p.error else "-",
+                "samples/job": "/".join(map(str, per_job)) if per_job and not p.error else "-",
+                "todo": p.todo if not p.error else "-",
+                _cost_column(p.profile): _cost_value(p.estimate_s(), p.profile) if not p.error else "-",
+                "status": p.error or ("done" if p.complete else "to run"),
+            }
+        )
+    return rows
+
+
+def dry_run(plans: Sequence[NodePlan], say=print) -> None:
+    for plan in plans:
+        say(format_jobs(plan))
+        say("")
+    say(format_table(summary_rows(plans)))
+    ok = [p for p in plans if not p.error]
+    profile = plans[0].profile if plans else "cpu"
+    total = sum(p.estimate_s() for p in ok)
+    say(
+        f"total: {sum(len(p.jobs) for p in ok)} jobs, {sum(len(p.runs) for p in ok)} runs, "
+        f"{sum(p.todo for p in ok)} samples to run, about {_cost(total, profile)}"
+        + (f"; {len(plans) - len(ok)} node(s) cannot run" if len(ok) < len(plans) else "")
+    )
+    if profile == "cpu" and any(j.source == "model" for p in ok for j in p.runs):
+        say("(modelled times are an idle machine's; runs recorded here beside other jobs took 3-10x longer)")
+
+
+# ------------------------------------------------------------------------------------------- run
+
+
+def run_command(cmd: list[str], env: dict[str, str], log: Path | None = None) -> int:
+    """Run one command to its end; its exit status. Output goes to the terminal, or to ``log``."""
+    if log is None:
+        return subprocess.run(cmd, env=env, check=False).returncode
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as handle:
+        return subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, check=False).returncode
+
+
+def node_command(name: str, launcher: str | None, overrides: Sequence[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "kvbench", "-m", f"+experiment={name}"]
+    if launcher:
+        cmd.append(f"hydra/launcher={launcher}")
+    return [*cmd, *overrides]
+
+
+def thread_env(threads: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if threads:
+        for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[key] = str(threads)
+    return env
+
+
+@dataclass
+class Outcome:
+    node: str
+    jobs: Any
+    seconds: float
+    status: str
+
+    @property
+    def failed(self) -> bool:
+        return not (self.status == "ok" or self.status.startswith("done"))
+
+
+def _run_node(plan: NodePlan, args, env: dict[str, str], log: Path | None, say) -> Outcome:
+    cmd = node_command(plan.config_name, args.launcher, args.override or [])
+    say(f"reproduce: {plan.node}: {' '.join(cmd[1:])}" + (f" (log: {log})" if log else ""))
+    started = time.perf_counter()
+    try:
+        code = run_command(cmd, env, log)
+    except OSError as err:
+        code, why = -1, str(err)
+    else:
+        why = f"exit {code}"
+    seconds = time.perf_counter() - started
+    status = "ok" if code == 0 else f"failed ({why})"
+    say(f"reproduce: {plan.node}: {status} after {seconds:.0f} s")
+    return Outcome(plan.node, len(plan.jobs), seconds, status)
+
+
+def reproduce(args, say=print) -> int:
+    """Run the selected nodes, then archive and regenerate; print the summary; the exit status."""
+    nodes = select(discover(args.conf_dir), args.only, args.skip)
+    overrides = args.override or []
+    plans = []
+    for node in nodes:
+        plan = NodePlan(node, args.profile)
+        try:
+            plan.config_name = config_name(node, args.profile, args.conf_dir)
+        except ValueError as err:
+            plan.error = str(err)
+        else:
+            # Only a node that has stored runs can be complete: compose its jobs to find out.
+            probe = plan_node(node, args.profile, overrides, compose=False, conf_dir=args.conf_dir)
+            if probe.output_root and Path(probe.output_root).is_dir():
+                full = plan_node(node, args.profile, overrides, compose=True, conf_dir=args.conf_dir)
+                plan = full if not full.error else plan
+            else:
+                plan.jobs = probe.jobs
+        plans.append(plan)
+
+    parallel = max(1, args.parallel)
+    threads = args.threads or (max(1, (os.cpu_count() or 1) // parallel) if parallel > 1 else None)
+    env = thread_env(threads)
+    logs = Path(args.runs) / ".reproduce" / args.profile
+    outcomes: dict[str, Outcome] = {}
+    to_run = []
+    for plan in plans:
+        if plan.error:
+            outcomes[plan.node] = Outcome(plan.node, "-", 0.0, f"failed ({plan.error})")
+            say(f"reproduce: {plan.node}: {plan.error}")
+        elif plan.complete:
+            outcomes[plan.node] = Outcome(plan.node, len(plan.jobs), 0.0, "done (every run stored)")
+            say(f"reproduce: {plan.node}: every run is stored; not started")
+        else:
+            to_run.append(plan)
+    if parallel == 1:
+        for plan in to_run:
+            outcomes[plan.node] = _run_node(plan, args, env, None, say)
+    else:
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            futures = {
+                p.node: pool.submit(_run_node, p, args, env, logs / f"{p.node}.log", say) for p in to_run
+            }
+            for node, future in futures.items():
+                outcomes[node] = future.result()
+
+    steps = []
+    if not args.no_report:
+        results = ["--results", args.results] if args.results else []
+        for step, extra in (("archive", ["--archive", args.runs]), ("regenerate", ["--regenerate"])):
+            cmd = [sys.executable, "-m", "kvbench.report", *extra, *results]
+            say(f"reproduce: {step}: {' '.join(cmd[1:])}")
+            started = time.perf_counter()
+            code = run_command(cmd, dict(os.environ))
+            status = "ok" if code == 0 else f"failed (exit {code})"
+            steps.append(Outcome(f"[{step}]", "-", time.perf_counter() - started, status))
+
+    table = [*(outcomes[n] for n in nodes), *steps]
+    say("")
+    say(
+        format_table(
+            [{"node": o.node, "jobs": o.jobs, "wall_s": round(o.seconds), "status": o.status} for o in table]
+        )
+    )
+    failed = [o.node for o in table if o.failed]
+    if failed:
+        say(f"reproduce: {len(failed)} failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kvbench.reproduce",
+        description="Run every experiment node, then archive the runs and regenerate every table.",
+    )
+    p.add_argument("--profile", choices=PROFILES, default="cpu", help="node sizes (default: %(default)s)")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="run only these nodes")
+    p.add_argument("--skip", nargs="+", metavar="NAME", help="leave these nodes out")
+    p.add_argument(
+        "--dry-run", action="store_true", help="list the jobs, what is stored and the cost; run nothing"
+    )
+    p.add_argument("--threads", type=int, help="OMP/MKL threads of each node's process")
+    p.add_argument("--parallel", type=int, default=1, metavar="P", help="node processes at once (default: 1)")
+    p.add_argument("--launcher", help="hydra/launcher for every node (slurm, slurm_cpu, submitit_local)")
+    p.add_argument(
+        "--override", action="append", metavar="KEY=VALUE", help="Hydra override for every node (repeatable)"
+    )
+    p.add_argument("--runs", default=DEFAULT_RUNS, help="run folders to archive (default: %(default)s)")
+    p.add_argument("--results", help="results folder of the archives and tables (default: kvbench.report's)")
+    p.add_argument("--no-report", action="store_true", help="skip the archive and regenerate steps")
+    p.add_argument("--conf-dir", default=str(CONF_DIR), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.threads is not None and args.threads < 1:
+            raise ReproduceError(f"--threads={args.threads}: a positive integer")
+        if args.parallel < 1:
+            raise ReproduceError(f"--parallel={args.parallel}: a positive integer")
+        if args.dry_run:
+            nodes = select(discover(args.conf_dir), args.only, args.skip)
+            results = args.results or default_results()
+            plans = [
+                plan_node(n, args.profile, args.override or [], conf_dir=args.conf_dir, results=results)
+                for n in nodes
+            ]
+            dry_run(plans)
+            return 0
+        return reproduce(args)
+    except ReproduceError as err:
+        print(f"kvbench.reproduce: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
