@@ -398,6 +398,66 @@ def write_papers(
     return paths
 
 
+README_BEGIN = "<!-- results:begin (written by make results; do not edit) -->"
+README_END = "<!-- results:end -->"
+
+
+def readme_block(
+    by_model: dict[str, list],
+    frames: dict[str, pd.DataFrame],
+    model: str | None = None,
+    seed: int = 0,
+    n_resamples: int = 10_000,
+) -> str:
+    """The README's results section on ``model`` (default: the default model): the verdict counts,
+    a compact claims table (published, measured with its interval and n, verdict, pairs needed)
+    and each seed paper's headline table (its first layout), the same cells as its page under
+    ``results/papers/``."""
+    from kvbench.analysis import papers as paper_tables
+    from kvbench.analysis.claims import DEFAULT_MODEL, PAPERS, claims_table, verdict_counts
+
+    model = model or DEFAULT_MODEL
+    results = by_model.get(model, [])
+    claims = claims_table(results)[["id", "published", "measured", "n", "verdict", "n_needed"]]
+    lines = [
+        README_BEGIN,
+        "",
+        f"### Claims on {model}",
+        "",
+        verdict_counts(results) + f" (`results/claims/{_slug(model)}.md` adds each rule and its experiment).",
+        "",
+        tables.to_markdown(claims).rstrip(),
+    ]
+    for paper in PAPERS:
+        layouts = paper_tables.layouts(paper)
+        if not layouts:
+            continue
+        block = paper_tables.render(layouts[0], frames, model, seed, n_resamples)
+        # one level down under the README's section; the paper's page has the rest
+        block[0] = "#" + block[0]
+        block = [
+            line.replace("### task variant", "#### task variant") if i else line
+            for i, line in enumerate(block)
+        ]
+        lines += ["", *block, "", f"All of {paper}'s tables: `results/papers/{paper}_{_slug(model)}.md`."]
+    return "\n".join(lines + ["", README_END]) + "\n"
+
+
+def write_readme_block(readme: Path, block: str) -> bool:
+    """Replace the text between the README's results markers with ``block``; False (nothing
+    written) when the README or its markers are absent (an installed package, a user's folder)."""
+    if not readme.is_file():
+        return False
+    text = readme.read_text()
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        return False
+    new = text[:start] + block.rstrip("\n") + text[end + len(README_END) :]
+    if new != text:
+        readme.write_text(new)
+    return True
+
+
 def regenerate(
     frames: dict[str, pd.DataFrame],
     results: str | Path,
@@ -425,6 +485,10 @@ def regenerate(
     by_model = claims_results(frames, claims_file, models, seed, n_resamples, conf_dir)
     written += write_claims(by_model, results / "claims")
     written += write_papers(by_model, frames, results / "papers", seed, n_resamples)
+    # the checkout's README shows the claims table and each paper's headline table
+    readme = results.parent / "README.md"
+    if write_readme_block(readme, readme_block(by_model, frames, seed=seed, n_resamples=n_resamples)):
+        written.append(readme)
     return written
 
 

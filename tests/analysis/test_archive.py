@@ -202,3 +202,11 @@ def test_committed_results_regenerate_from_the_committed_archives(tmp_path):
     assert committed <= set(regenerated), (
         f"not written by make results: {sorted(committed - set(regenerated))}"
     )
+    # the README's results section is the same generated block
+    readme = (repo_results.parent / "README.md").read_text()
+    begin, end = readme.index(report.README_BEGIN), readme.index(report.README_END)
+    by_model = report.claims_results(frames, repo_results / "claims.yaml")
+    block = report.readme_block(by_model, frames)
+    assert readme[begin : end + len(report.README_END)] + "\n" == block, (
+        "README results differ; run make results"
+    )
