@@ -40,6 +40,10 @@ Schema: one mapping per claim under the top-level ``claims:`` list.
 - ``pending``: why the claim cannot run yet (its node or arms do not exist): the verdict stays
   ``not run`` with this reason until runs that match exist;
 - ``untestable``: why no run here can test it (a GPU throughput claim): verdict ``not testable here``;
+- ``floor``: optional ``{arm: NAME, above: V}``: the comparison says something about the methods
+  only when that arm (the FP16 reference) scores above V on the model. At or below it (a 135M
+  model scoring 0 on GSM8K, where every method ties at 0) the verdict is ``not testable here``,
+  with the arm's measured mean as the reason: computed from the runs, like every verdict;
 - ``note``: optional text.
 
 ``measured``, ``verdict`` and ``source`` are rejected: they are outputs.
@@ -90,7 +94,7 @@ from kvbench.stats import (
 PAPERS = ("kivi", "intactkv", "kvquant", "ott", "readkv", "semkv", "specache")
 VERDICTS = ("reproduced", "not reproduced", "inconclusive", "not run", "not testable here")
 REQUIRED = ("id", "paper", "where", "statement", "published", "experiment")
-OPTIONAL = ("metric", "arms", "rule", "family", "pending", "untestable", "note")
+OPTIONAL = ("metric", "arms", "rule", "family", "pending", "untestable", "floor", "note")
 OUTPUT_FIELDS = ("measured", "verdict", "source")
 SELECTOR_KEYS = ("label", "method", "bits", "config", "metric")
 DEFAULT_MODEL = "smollm2-135m"
@@ -149,6 +153,7 @@ class Claim:
     family: str | None = None
     pending: str | None = None
     untestable: str | None = None
+    floor: Mapping[str, Any] | None = None
     note: str | None = None
 
 
@@ -288,6 +293,18 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None) -> Claim:
     if not texts:
         raise ClaimsError(cid, "rule", "the list of rules is empty")
     parsed = tuple(parse_rule(cid, t, arms) for t in texts)
+    floor = entry.get("floor")
+    if floor is not None:
+        if (
+            not isinstance(floor, dict)
+            or set(floor) != {"arm", "above"}
+            or str(floor["arm"]) not in arms
+            or isinstance(floor["above"], bool)
+            or not isinstance(floor["above"], (int, float))
+        ):
+            raise ClaimsError(
+                cid, "floor", f"{floor!r}: expected {{arm: one of {', '.join(arms)}, above: a number}}"
+            )
     experiment = entry["experiment"]
     if conf_dir is not None and entry.get("pending") is None:
         if not (Path(conf_dir) / "experiment" / f"{experiment}.yaml").is_file():
@@ -303,6 +320,7 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None) -> Claim:
         rules=parsed,
         family=entry.get("family"),
         pending=entry.get("pending"),
+        floor=floor,
         note=entry.get("note"),
     )
 
@@ -713,6 +731,30 @@ class ClaimResult:
         return "; ".join(o.measured or f"{o.rule}: {o.reason}" for o in self.outcomes)
 
 
+def _at_floor(ctx: _Context, claim: Claim, model: str) -> str | None:
+    """The reason a claim cannot be tested on ``model`` because its floor arm scores at or below
+    the floor (None: above it, no floor declared, or the arm has no runs)."""
+    if claim.floor is None:
+        return None
+    arm, above = str(claim.floor["arm"]), float(claim.floor["above"])
+    try:
+        rows = ctx.rows(arm)
+    except NotRun:
+        return None
+    metric = claim.metric or ctx.plan.get("metric")
+    values = (
+        pd.to_numeric(rows[metric], errors="coerce").dropna()
+        if metric in rows
+        else pd.Series([], dtype=float)
+    )
+    if values.empty or values.mean() > above:
+        return None
+    return (
+        f"{arm} scores {values.mean():.4g} on {metric} over {len(values)} samples on {model}, at or "
+        f"below the floor {above:g}: no method can be told apart from it there"
+    )
+
+
 def evaluate_claims(
     claims: list[Claim],
     frames: Mapping[str, pd.DataFrame],
@@ -747,6 +789,10 @@ def evaluate_claims(
             outcomes.append(outcome)
             if outcome.verdict == "pending":
                 families.setdefault(claim.family or claim.id, []).append(outcome)
+        floor = _at_floor(ctx, claim, model)
+        if floor is not None:
+            results.append(ClaimResult(claim, model, "not testable here", outcomes, floor))
+            continue
         results.append(ClaimResult(claim, model, "", outcomes))
     for members in families.values():
         _decide_family(members, alpha)

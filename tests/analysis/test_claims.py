@@ -214,6 +214,24 @@ def test_not_run_without_runs_and_not_testable(frames):
     assert _evaluate(frames, [_claim("m", "better(chan, tok)")], model="llama")["m"].verdict == "not run"
 
 
+def test_floor_turns_a_comparison_at_the_reference_floor_untestable(frames):
+    """A reference at or below the declared floor (every method tied at 0) cannot tell methods
+    apart: not testable here, with the reference's measured mean as the reason; above it the rule
+    decides as usual."""
+    fp16_mean = float(np.mean([fp16_score(i) for i in range(len(SAMPLES)) for _ in SEEDS]))
+    results = _evaluate(
+        frames,
+        [
+            _claim("at-floor", "better(chan, tok)", floor={"arm": "fp16", "above": fp16_mean + 1e-9}),
+            _claim("above-floor", "better(chan, tok)", floor={"arm": "fp16", "above": fp16_mean - 1e-3}),
+        ],
+    )
+    at = results["at-floor"]
+    assert at.verdict == "not testable here"
+    assert at.reason.startswith(f"fp16 scores {fp16_mean:.4g} on score over {N_PAIRS} samples on tiny")
+    assert results["above-floor"].verdict == "reproduced"
+
+
 GOOD = _claim("x-claim", "better(chan, tok)")
 
 
@@ -239,6 +257,8 @@ GOOD = _claim("x-claim", "better(chan, tok)")
         ({"experiment": None}, "experiment", "non-empty text"),
         ({"colour": "red"}, "colour", "unknown field"),
         ({"published": None}, "published", "required"),
+        ({"floor": {"arm": "nope", "above": 0.1}}, "floor", "expected"),
+        ({"floor": {"arm": "fp16", "above": "low"}}, "floor", "expected"),
     ],
 )
 def test_schema_errors_name_claim_and_field(tmp_path, change, field, message):
