@@ -261,9 +261,11 @@ def claims_results(
     return {m: evaluate_claims(claims, frames, m, seed=seed, n_resamples=n_resamples) for m in models}
 
 
-def claims_markdown(model: str, results: list) -> str:
-    """The generated verdict table of one model (``results/claims/<model>.md``)."""
+def claims_markdown(model: str, results: list, frames: dict[str, pd.DataFrame] | None = None) -> str:
+    """The generated verdict table of one model (``results/claims/<model>.md``), then, with the
+    frames, what settling each inconclusive claim would cost (``kvbench.analysis.sizing``)."""
     from kvbench.analysis.claims import claims_table, verdict_counts
+    from kvbench.analysis.sizing import WORKING_DAY_H, sizing_table
 
     lines = [
         f"# Paper claims on {model}",
@@ -278,10 +280,25 @@ def claims_markdown(model: str, results: list) -> str:
         "",
         tables.to_markdown(claims_table(results)).rstrip(),
     ]
+    if frames is not None:
+        sizing = sizing_table(results, frames)
+        lines += [
+            "",
+            "## What the inconclusive claims would need",
+            "",
+            "`n_needed` pairs at the observed effect and spread (power 0.8); `s_per_pair`: mean wall",
+            "seconds per sample of the configurations the claim compares, summed, on the machine that",
+            "made the runs; `hours_more`: the missing pairs at that cost; `fits_a_day`: within "
+            f"{WORKING_DAY_H:g} h.",
+            "",
+            tables.to_markdown(sizing).rstrip() if len(sizing) else "No claim is inconclusive.",
+        ]
     return "\n".join(lines) + "\n"
 
 
-def write_claims(results_by_model: dict[str, list], out: str | Path) -> list[Path]:
+def write_claims(
+    results_by_model: dict[str, list], out: str | Path, frames: dict[str, pd.DataFrame] | None = None
+) -> list[Path]:
     """``out/<model>.md`` and ``.csv`` per model; returns the markdown paths."""
     from kvbench.analysis.claims import claims_table
 
@@ -290,7 +307,7 @@ def write_claims(results_by_model: dict[str, list], out: str | Path) -> list[Pat
     paths = []
     for model, results in results_by_model.items():
         path = out / f"{_slug(model)}.md"
-        path.write_text(claims_markdown(model, results))
+        path.write_text(claims_markdown(model, results, frames))
         claims_table(results).to_csv(path.with_suffix(".csv"), index=False)
         paths.append(path)
     return paths
@@ -483,7 +500,7 @@ def regenerate(
             continue
         written.append(report["out"] / "report.md")
     by_model = claims_results(frames, claims_file, models, seed, n_resamples, conf_dir)
-    written += write_claims(by_model, results / "claims")
+    written += write_claims(by_model, results / "claims", frames)
     written += write_papers(by_model, frames, results / "papers", seed, n_resamples)
     # the checkout's README shows the claims table and each paper's headline table
     readme = results.parent / "README.md"
@@ -588,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"## {model}\n")
                 print(tables.to_markdown(claims_table(claim_results)), end="")
                 print("\n" + verdict_counts(claim_results) + "\n")
-            for path in write_claims(by_model, results / "claims"):
+            for path in write_claims(by_model, results / "claims", frames):
                 print(f"wrote: {path}")
             return 0
         if args.dir is None:

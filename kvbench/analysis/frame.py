@@ -106,6 +106,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _seconds(row: dict[str, Any]) -> float:
+    if _is_number(row.get("seconds")):
+        return float(row["seconds"])
+    parts = [row.get("prefill_s"), row.get("decode_s")]
+    return float(sum(parts)) if all(_is_number(x) for x in parts) else math.nan
+
+
 def _run_rows(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rows of one run folder and a summary of the run (for de-duplication)."""
     config = _read_json(folder / "config.json") or {}
@@ -143,6 +150,8 @@ def _run_rows(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             "max_new_tokens": task_cfg.get("max_new_tokens"),
             "finished": metrics is not None,
             "folder": str(folder),
+            # wall seconds of the sample (prefill + decode): what sizing an experiment costs per pair
+            "seconds": _seconds(row),
         }
         for key, value in row.items():
             if key not in _NOT_METRICS and key not in record and (_is_number(value) or value is None):

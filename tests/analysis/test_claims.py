@@ -232,6 +232,26 @@ def test_floor_turns_a_comparison_at_the_reference_floor_untestable(frames):
     assert results["above-floor"].verdict == "reproduced"
 
 
+def test_sizing_prices_the_pairs_an_inconclusive_claim_needs(frames):
+    """n_needed from the power calculation times the seconds a pair costs (each selected
+    configuration's mean sample time, summed)."""
+    from kvbench.analysis.sizing import sizing_table
+
+    timed = {name: frame.assign(seconds=3.0) for name, frame in frames.items()}
+    claims = [_claim("open", "better(chan, kivi_any)"), _claim("nil", "better(u4, u3)")]
+    results = [r for r in _evaluate(timed, claims).values() if r.verdict == "inconclusive"]
+    table = sizing_table(results, timed).set_index("id")
+    nil = table.loc["nil"]
+    assert nil["n_needed"] == "inf" and nil["hours_more"] == "inf" and nil["fits_a_day"] == "no"
+    assert nil["s_per_pair"] == "6"  # two configurations at 3 s each
+    if "open" in table.index:
+        row = table.loc["open"]
+        need = int(row["n_needed"])
+        assert float(row["hours_more"]) == pytest.approx(
+            (need - row["n"]) * float(row["s_per_pair"]) / 3600, rel=1e-2
+        )
+
+
 GOOD = _claim("x-claim", "better(chan, tok)")
 
 
