@@ -85,6 +85,7 @@ from kvbench.stats import (
     compare,
     holm,
     locate_cliff,
+    min_pairs_sign_flip,
     n_for_difference,
     n_from_pilot,
     sign_flip_test,
@@ -544,7 +545,9 @@ def _decide_family(outcomes: list[Outcome], alpha: float) -> None:
         else:
             o.verdict = "inconclusive"
             mean = float(o.diffs.mean())
-            o.n_needed = n_from_pilot(o.diffs, "greater" if mean >= 0 else "less", alpha=level, power=POWER)
+            planned = n_from_pilot(o.diffs, "greater" if mean >= 0 else "less", alpha=level, power=POWER)
+            # the t-test plan, but never fewer pairs than the exact sign-flip test needs to reject
+            o.n_needed = planned if math.isnan(planned) else max(planned, min_pairs_sign_flip(level))
         o.measured += f", Holm p={_fmt(float(pg))} (one-sided, {len(outcomes)} in family)"
 
 

@@ -18,6 +18,7 @@ from kvbench.stats.paired import (
     win_rate,
 )
 from kvbench.stats.power import (
+    min_pairs_sign_flip,
     n_for_difference,
     n_for_equivalence,
     n_for_noninferiority,
@@ -45,6 +46,7 @@ __all__ = [
     "n_for_difference",
     "n_for_equivalence",
     "n_for_noninferiority",
+    "min_pairs_sign_flip",
     "n_from_pilot",
     "n_normal",
     "paired_differences",

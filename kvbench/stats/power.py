@@ -148,6 +148,16 @@ def n_normal(
     return float(((z_a + sps.norm.ppf(power)) * sd / delta) ** 2)
 
 
+def min_pairs_sign_flip(alpha: float) -> int:
+    """The fewest pairs at which the exact one-sided sign-flip test can reject at all: its smallest
+    p-value is ``2 ** -n`` (every nonzero difference on the claimed side), so ``n`` must exceed
+    ``log2(1 / alpha)`` (5 pairs at 0.05; 6 at 0.05 / 3, Holm's first step in a family of three).
+    A t-test plan below this floor promises a power the test cannot have."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
+    return math.floor(math.log2(1 / alpha)) + 1
+
+
 def n_from_pilot(
     diffs: Sequence[float] | np.ndarray,
     kind: str,

@@ -96,3 +96,17 @@ def test_n_from_pilot_uses_the_pilots_mean_and_spread():
     assert math.isnan(n_from_pilot([0.1], "greater"))
     with pytest.raises(ValueError, match="margin"):
         n_from_pilot(pilot, "equivalence")
+
+
+def test_min_pairs_sign_flip_is_where_the_exact_test_first_can_reject():
+    """2**-n is the smallest one-sided sign-flip p-value with n nonzero differences."""
+    from kvbench.stats import min_pairs_sign_flip, sign_flip_test
+
+    for alpha, expected in ((0.05, 5), (0.05 / 3, 6), (0.05 / 4, 7), (0.01, 7)):
+        n = min_pairs_sign_flip(alpha)
+        assert n == expected
+        assert 2.0**-n < alpha <= 2.0 ** -(n - 1)
+    # the test itself: n - 1 all-positive pairs cannot reach alpha = 0.05 / 3, n can
+    n = min_pairs_sign_flip(0.05 / 3)
+    assert sign_flip_test([1.0] * (n - 1), alternative="greater") >= 0.05 / 3
+    assert sign_flip_test([1.0] * n, alternative="greater") < 0.05 / 3
