@@ -436,8 +436,17 @@ def readme_block(
     model = model or DEFAULT_MODEL
     results = by_model.get(model, [])
     claims = claims_table(results)[["id", "published", "measured", "n", "verdict", "n_needed"]]
+    mine = [f[f["model"] == model] for f in frames.values()]
+    mine = [f for f in mine if not f.empty]
+    samples = sum(len(f) for f in mine)
+    configs = sum(f["run_id"].nunique() for f in mine)
+    seconds = sum(float(pd.to_numeric(f["seconds"], errors="coerce").sum()) for f in mine if "seconds" in f)
     lines = [
         README_BEGIN,
+        "",
+        f"The archives hold {samples} samples of {configs} runs on {model} from {len(mine)} experiment "
+        f"nodes; the samples took {seconds / 60:.0f} minutes of wall time (prefill and decode, summed) "
+        "on the machine that ran them.",
         "",
         f"### Claims on {model}",
         "",
