@@ -121,7 +121,12 @@ def test_dry_run_finds_shared_runs_and_stored_samples(workdir):
 )
 def test_dry_run_prints_jobs_table_and_total(workdir, capsys, profile, unit, todo):
     assert (
-        reproduce.main(["--dry-run", "--profile", profile, "--only", "kivi_gsm8k", "specache_hitrate"]) == 0
+        reproduce.main(
+            # an empty results folder: the checkout's committed archives would price the jobs
+            ["--dry-run", "--profile", profile, "--only", "kivi_gsm8k", "specache_hitrate"]
+            + ["--results", str(workdir / "results")]
+        )
+        == 0
     )
     out = capsys.readouterr().out
     assert "kivi_gsm8k (+experiment=" in out and "4 jobs, 3 runs" in out

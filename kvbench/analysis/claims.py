@@ -407,9 +407,16 @@ class NotRun(Exception):
     """The data a rule needs is not there: the rule's verdict is ``not run`` with this reason."""
 
 
+def several_configurations(rows: pd.DataFrame) -> bool:
+    """Whether ``rows`` hold more than one configuration. A label that changes only with the run's
+    seed (random pruning draws with ``seed: ${seed}``, so its label carries it) is one configuration
+    seen at several seeds: within each seed there must be a single label."""
+    return bool(len(rows)) and int(rows.groupby("seed")["method"].nunique().max()) > 1
+
+
 def _pairs(rows: pd.DataFrame, metric: str, arm: str) -> dict[tuple, float]:
     labels = sorted(rows["method"].unique())
-    if len(labels) > 1:
+    if several_configurations(rows):
         raise NotRun(f"arm {arm!r} matches {len(labels)} configurations ({', '.join(labels)}); narrow it")
     try:
         values = metric_values(rows, metric)

@@ -46,7 +46,7 @@ import pandas as pd
 import yaml
 
 from kvbench.analysis import tables
-from kvbench.analysis.claims import metric_values, select
+from kvbench.analysis.claims import metric_values, select, several_configurations
 from kvbench.analysis.frame import plan_of
 from kvbench.paths import CONF_DIR
 from kvbench.stats import bootstrap_ci
@@ -206,7 +206,7 @@ def measure(
     labels = sorted(str(m) for m in rows["method"].unique())
     if not labels:
         return Measured([], problem="no matching run")
-    if len(labels) > 1:
+    if several_configurations(rows):
         return Measured(labels, problem=f"{len(labels)} configurations: " + ", ".join(labels))
     try:
         values = metric_values(rows, metric).to_numpy(dtype=float)

@@ -252,6 +252,19 @@ def test_sizing_prices_the_pairs_an_inconclusive_claim_needs(frames):
         )
 
 
+def test_a_label_that_follows_the_seed_is_one_configuration():
+    """Random pruning's label carries the run's seed: one label per seed is one configuration; two
+    labels within a seed are two."""
+    import pandas as pd
+
+    from kvbench.analysis.claims import several_configurations
+
+    per_seed = pd.DataFrame({"seed": [0, 0, 1, 1], "method": ["rp-s0", "rp-s0", "rp-s1", "rp-s1"]})
+    assert not several_configurations(per_seed)
+    mixed = pd.DataFrame({"seed": [0, 0, 1], "method": ["kivi-2b", "kivi-4b", "kivi-2b"]})
+    assert several_configurations(mixed)
+
+
 GOOD = _claim("x-claim", "better(chan, tok)")
 
 
