@@ -752,11 +752,10 @@ def _at_floor(ctx: _Context, claim: Claim, model: str) -> str | None:
     except NotRun:
         return None
     metric = claim.metric or ctx.plan.get("metric")
-    values = (
-        pd.to_numeric(rows[metric], errors="coerce").dropna()
-        if metric in rows
-        else pd.Series([], dtype=float)
-    )
+    try:
+        values = metric_values(rows, metric).dropna()
+    except KeyError:
+        return None
     if values.empty or values.mean() > above:
         return None
     return (
