@@ -52,6 +52,7 @@ matplotlib.use("Agg")
 
 import pandas as pd  # noqa: E402
 
+from kvbench import atomic  # noqa: E402
 from kvbench.analysis import figures, tables  # noqa: E402
 from kvbench.analysis.frame import groups, load_frame  # noqa: E402
 from kvbench.analysis.units import analyze  # noqa: E402
@@ -72,8 +73,8 @@ def _slug(*parts: Any) -> str:
 
 
 def _write_table(table: pd.DataFrame, path_stem: Path) -> None:
-    table.to_csv(path_stem.with_suffix(".csv"), index=False)
-    path_stem.with_suffix(".md").write_text(tables.to_markdown(table))
+    atomic.write_text(path_stem.with_suffix(".csv"), table.to_csv(index=False))
+    atomic.write_text(path_stem.with_suffix(".md"), tables.to_markdown(table))
 
 
 def _save_optional(name: str, frame: pd.DataFrame, folder: Path, say) -> list[Path]:
@@ -172,9 +173,8 @@ def write_report(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if write_samples:
-        frame.drop(columns=[c for c in frame.columns if frame[c].map(type).eq(dict).any()]).to_csv(
-            out / "samples.csv", index=False
-        )
+        plain = frame.drop(columns=[c for c in frame.columns if frame[c].map(type).eq(dict).any()])
+        atomic.write_text(out / "samples.csv", plain.to_csv(index=False))
     units, skipped = [], []
     for key, sub in groups(frame):
         try:
@@ -214,7 +214,7 @@ def write_report(
             lines += ["", f"### {title_}", "", tables.to_markdown(table).rstrip()]
         lines += ["", "### Figures", ""]
         lines += [f"- `{p.relative_to(out)}`" for p in unit["figures"]]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    atomic.write_text(out / "report.md", "\n".join(lines) + "\n")
     return {"frame": frame, "out": out, "units": units}
 
 
@@ -307,8 +307,8 @@ def write_claims(
     paths = []
     for model, results in results_by_model.items():
         path = out / f"{_slug(model)}.md"
-        path.write_text(claims_markdown(model, results, frames))
-        claims_table(results).to_csv(path.with_suffix(".csv"), index=False)
+        atomic.write_text(path, claims_markdown(model, results, frames))
+        atomic.write_text(path.with_suffix(".csv"), claims_table(results).to_csv(index=False))
         paths.append(path)
     return paths
 
@@ -410,7 +410,7 @@ def write_papers(
     for model, results in by_model.items():
         for paper in papers or PAPERS:
             path = out / f"{paper}_{_slug(model)}.md"
-            path.write_text(paper_markdown(paper, results, frames, model, seed, n_resamples))
+            atomic.write_text(path, paper_markdown(paper, results, frames, model, seed, n_resamples))
             paths.append(path)
     return paths
 
@@ -480,7 +480,7 @@ def write_readme_block(readme: Path, block: str) -> bool:
         return False
     new = text[:start] + block.rstrip("\n") + text[end + len(README_END) :]
     if new != text:
-        readme.write_text(new)
+        atomic.write_text(readme, new)
     return True
 
 
@@ -498,6 +498,8 @@ def regenerate(
     with its unit folders (tables, figures), and ``claims/<model>.md`` / ``.csv``. The same frames
     give the same bytes, whether they come from the archives or straight from the run folders."""
     results = Path(results)
+    if results.is_dir():
+        atomic.remove_stale_temporaries(results)  # what an interrupted run left
     written = []
     for name, frame in sorted(frames.items()):
         try:
@@ -623,9 +625,19 @@ def main(argv: list[str] | None = None) -> int:
     except ReportError as err:
         print(f"kvbench.report: error: {err}", file=sys.stderr)
         return 2
-    except ValueError as err:  # claims schema errors name the claim and field
+    except ValueError as err:  # claims schema errors name the claim and field; damaged archives
         print(f"kvbench.report: error: {err}", file=sys.stderr)
         return 2
+    except atomic.WriteError as err:  # a full disk, a read-only folder: the file and the reason
+        print(f"kvbench.report: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(
+            "kvbench.report: interrupted; each file is either as it was or completely rewritten; "
+            "the same command finishes the job",
+            file=sys.stderr,
+        )
+        return 130
     if args.wandb:
         from kvbench.logger import log_report
 

@@ -16,13 +16,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
 
+from kvbench import atomic
 from kvbench.config import require
 
 # Keys that say where things are, not what is computed: left out of the run id.
@@ -93,14 +93,7 @@ def _clean(obj: Any) -> Any:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(_clean(obj), f, indent=2, sort_keys=True, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic.write_text(path, json.dumps(_clean(obj), indent=2, sort_keys=True, default=str) + "\n")
 
 
 REQUIRED_ROW_KEYS = ("sample_id",)
@@ -212,12 +205,7 @@ class RunFolder:
             f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rejected)
             f.flush()
             os.fsync(f.fileno())
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{self.samples_path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.samples_path)
+        atomic.write_bytes(self.samples_path, kept)
         where = "; ".join(f"line {r['line']}: {r['reason']}" for r in rejected[:3])
         more = f"; and {len(rejected) - 3} more" if len(rejected) > 3 else ""
         print(

@@ -31,12 +31,14 @@ import hashlib
 import io
 import json
 import math
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from kvbench import atomic
 from kvbench.analysis.frame import load_frame
 
 ARCHIVE = "samples.csv.gz"
@@ -193,14 +195,31 @@ def _gzip(data: bytes) -> bytes:
     return buffer.getvalue()
 
 
+class ArchiveError(ValueError):
+    """An archive that cannot be read: one line naming the file and how to rewrite it."""
+
+
+# What a user does about a damaged archive: rebuild it from the runs, or take the committed one.
+REWRITE = (
+    "rewrite it with `python -m kvbench.report --archive RUNS` from the run folders, "
+    "or restore the committed copy with `git checkout -- results/`"
+)
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
+
+
 def write_archive(frame: pd.DataFrame, folder: str | Path) -> Path:
     """Write one experiment's frame as ``folder/samples.csv.gz`` with its ``archive.json``;
     returns the archive path."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     data = _gzip(to_csv_bytes(frame))
     path = folder / ARCHIVE
-    path.write_bytes(data)
+    # the archive first, its manifest last: a kill between the two leaves a new archive beside the
+    # old manifest, which read_archive reports (checksum) instead of reading stale counts
+    atomic.write_bytes(path, data)
     manifest = {
         "format": FORMAT,
         "rows": len(frame),
@@ -212,7 +231,7 @@ def write_archive(frame: pd.DataFrame, folder: str | Path) -> Path:
         "sha256": hashlib.sha256(data).hexdigest(),
         "bytes": len(data),
     }
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    atomic.write_text(folder / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return path
 
 
@@ -220,12 +239,23 @@ def read_archive(folder: str | Path) -> pd.DataFrame:
     """One experiment's frame from ``folder/samples.csv.gz``, with the attributes from its
     ``archive.json``. ValueError when the archive does not match the manifest's checksum."""
     folder = Path(folder)
-    data = (folder / ARCHIVE).read_bytes()
-    manifest_path = folder / MANIFEST
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    path, manifest_path = folder / ARCHIVE, folder / MANIFEST
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ArchiveError(f"{path}: unreadable ({_reason(err)}); {REWRITE}") from None
+    try:
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    except (OSError, ValueError) as err:
+        raise ArchiveError(f"{manifest_path}: unreadable ({_reason(err)}); {REWRITE}") from None
+    if not isinstance(manifest, dict):
+        raise ArchiveError(f"{manifest_path}: not a JSON object; {REWRITE}")
     if manifest.get("sha256") not in (None, hashlib.sha256(data).hexdigest()):
-        raise ValueError(f"{folder / ARCHIVE}: checksum differs from {manifest_path}; rewrite the archive")
-    frame = from_csv_bytes(gzip.decompress(data))
+        raise ArchiveError(f"{path}: checksum differs from {manifest_path}; {REWRITE}")
+    try:
+        frame = from_csv_bytes(gzip.decompress(data))
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, csv.Error, ValueError) as err:
+        raise ArchiveError(f"{path}: corrupt or truncated archive ({_reason(err)}); {REWRITE}") from None
     frame.attrs = {
         "superseded": list(manifest.get("superseded", [])),
         "duplicate_rows": dict(manifest.get("duplicate_rows", {})),
@@ -238,6 +268,8 @@ def write_archives(runs_root: str | Path, results: str | Path) -> dict[str, Path
     ``{experiment: archive path}`` (empty when there are no runs)."""
     runs_root = Path(runs_root)
     frame = normalize(load_frame(runs_root), runs_root)
+    if Path(results).is_dir():
+        atomic.remove_stale_temporaries(results)
     return {name: write_archive(part, Path(results) / name) for name, part in split(frame).items()}
 
 

@@ -9,6 +9,7 @@ inline one); ``python -m kvbench.report`` selects Agg before importing it.
 from __future__ import annotations
 
 import importlib
+import io
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from kvbench import atomic
 from kvbench.analysis.tables import cliff_table
 
 
@@ -158,18 +160,16 @@ def optional_figure(name: str) -> Callable[[pd.DataFrame], Figure] | None:
 def save(fig: Figure, path: str | Path, dpi: int = 120) -> Path:
     """Write ``fig`` as PNG and close it (figures stay open in pyplot's registry otherwise)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
     plt.close(fig)
-    return path
+    return atomic.write_bytes(path, buffer.getvalue())
 
 
 def show(fig: Figure, dpi: int = 120) -> None:
     """Display ``fig`` once in a notebook, as a PNG image, and close it. Rendering the PNG here works
     whatever backend is active (a module that forces Agg disables the inline backend's display),
     and closing the figure keeps the inline backend from showing it a second time."""
-    import io
-
     from IPython.display import Image, display
 
     buffer = io.BytesIO()

@@ -8,6 +8,7 @@ such as ``"0.005"``; a flattened column name splits on the first dot only, so ``
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,6 +20,8 @@ import matplotlib.ticker
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+
+from kvbench import atomic  # noqa: E402
 
 POLICY_ORDER = ("exact_topk", "specache", "h2o")
 POLICY_LABELS = {
@@ -126,5 +129,7 @@ def plot_hitrate(
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=150)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=150)
+        atomic.write_bytes(path, buffer.getvalue())
     return fig
