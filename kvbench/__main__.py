@@ -22,6 +22,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import signal
 import sys
 import traceback
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import paths
 from kvbench.config import unknown_key
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, Interrupted, Terminated
 
 CONF_DIR = str(paths.CONF_DIR)
 CHECKED_GROUPS = ("model", "task", "method", "experiment")
@@ -392,15 +393,41 @@ def cli(argv: list[str]) -> None:
     main()
 
 
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def _terminate_as_interrupt():
+    """SIGTERM ends a run the way Ctrl-C does (one line, exit 143, every finished row kept) where
+    nothing else handles it; a launcher's own handler (submitit's requeue on preemption) stays.
+    Returns the handler to restore, or None when it was left alone."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    try:
+        return signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread
+        return None
+
+
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     from kvbench.run import execute, format_table, summary_line
 
+    previous = _terminate_as_interrupt()
     try:
         metrics = execute(cfg)
     except ConfigError as err:
         print(f"kvbench: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except Interrupted as err:
+        print(f"kvbench: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt as err:  # before the first sample (model load, checks)
+        print("kvbench: interrupted before any sample ran; the same command starts again", file=sys.stderr)
+        sys.exit(143 if isinstance(err, Terminated) else 130)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     row = summary_line(metrics)
     print(format_table([row]))
     print(f"results: {metrics['folder']}")

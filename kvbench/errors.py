@@ -14,3 +14,17 @@ class ConfigError(ValueError):
     def __init__(self, key: str, value: object, allowed: str):
         self.key, self.value, self.allowed = key, value, allowed
         super().__init__(f"{key}={value!r}: {allowed}")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where SIGINT raises KeyboardInterrupt, so one handler ends a run either way."""
+
+
+class Interrupted(Exception):
+    """A run stopped by SIGINT or SIGTERM after ``done`` of ``total`` samples (every finished row is
+    on disk). The entry prints it as one line and exits 130 (SIGINT) or 143 (SIGTERM)."""
+
+    def __init__(self, done: int, total: int, terminated: bool = False):
+        self.done, self.total, self.terminated = done, total, terminated
+        self.exit_code = 143 if terminated else 130
+        super().__init__(f"interrupted after {done} of {total} samples; the same command resumes")

@@ -73,7 +73,16 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
     method = core.get("method") or {"name": "fp16"}
     if "bits" not in method:
         core.pop("bits", None)
+    version = _method_version(method.get("name"))
+    if version != 1:  # version 1 is every run made before versions existed: their ids stay
+        core["method_version"] = version
     return core
+
+
+def _method_version(name: Any) -> int:
+    from kvbench.methods import METHODS
+
+    return METHODS.get(name).Config.version if isinstance(name, str) and name in METHODS else 1
 
 
 def run_id(config: dict[str, Any]) -> str:
@@ -111,6 +120,19 @@ def _parse_row(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"a JSON {type(row).__name__}, not an object"
     missing = [k for k in REQUIRED_ROW_KEYS if not isinstance(row.get(k), str)]
     return (None, f"no {', '.join(missing)}") if missing else (row, None)
+
+
+def _counted(rejected: list[dict[str, Any]]) -> str:
+    """``"2 malformed line(s), 1 duplicate row(s)"``: what was set aside, by kind."""
+    dup = sum(r["reason"].startswith("a second row") for r in rejected)
+    unknown = sum("is not a sample of this task" in r["reason"] for r in rejected)
+    malformed = len(rejected) - dup - unknown
+    parts = [
+        (malformed, "malformed line(s)"),
+        (dup, "duplicate row(s)"),
+        (unknown, "row(s) of unknown samples"),
+    ]
+    return ", ".join(f"{n} {what}" for n, what in parts if n)
 
 
 class RunFolder:
@@ -170,8 +192,10 @@ class RunFolder:
         write_json_atomic(self.path / "metrics.json", metrics)
 
     def _scan(self) -> tuple[list[dict[str, Any]], list[bytes], list[dict[str, Any]]]:
-        """(rows, their raw lines, the lines that are not rows as rejection records)."""
+        """(rows, their raw lines, the lines that are not rows as rejection records). Each row's
+        line number is in ``self._lines`` (same order as the rows)."""
         rows, kept, rejected = [], [], []
+        self._lines: list[int] = []
         if not self.samples_path.exists():
             return rows, kept, rejected
         with open(self.samples_path, "rb") as f:
@@ -180,6 +204,7 @@ class RunFolder:
                 if problem is None:
                     rows.append(row)
                     kept.append(raw)
+                    self._lines.append(number)
                 else:
                     text = raw.decode("utf-8", "backslashreplace").rstrip("\n")
                     rejected.append({"line": number, "reason": problem, "text": text})
@@ -190,27 +215,86 @@ class RunFolder:
         as it is (a reader may look at a folder while its run is still appending)."""
         return self._scan()[0]
 
-    def resume_rows(self) -> list[dict[str, Any]]:
+    def resume_rows(self, sample_ids: set[str] | None = None) -> list[dict[str, Any]]:
         """:meth:`rows`, for the process that holds the lock and is about to append: lines that are
         not rows move to samples.rejected.jsonl (one JSON record each: line number, reason, text),
-        samples.jsonl is rewritten without them, and one warning counts them."""
+        samples.jsonl is rewritten without them, and one warning counts them. With ``sample_ids``
+        (the task's samples), a second row of a sample (the first one stays, as the report keeps
+        it) and a row of a sample the task does not have are set aside the same way."""
         rows, kept, rejected = self._scan()
+        if sample_ids is not None:
+            seen: dict[str, int] = {}
+            keep_rows, keep_raw = [], []
+            for row, raw, number in zip(rows, kept, self._lines, strict=True):
+                sid = row["sample_id"]
+                text = raw.decode("utf-8", "backslashreplace").rstrip("\n")
+                if sid not in sample_ids:
+                    why = f"sample_id {sid!r} is not a sample of this task"
+                    rejected.append({"line": number, "reason": why, "text": text})
+                elif sid in seen:
+                    why = f"a second row of sample {sid!r} (line {seen[sid]} kept)"
+                    rejected.append({"line": number, "reason": why, "text": text})
+                else:
+                    seen[sid] = number
+                    keep_rows.append(row)
+                    keep_raw.append(raw)
+            rows, kept = keep_rows, keep_raw
         if rejected:
+            rejected.sort(key=lambda r: r["line"])
             self._set_aside(rejected, b"".join(kept))
         return rows
 
-    def _set_aside(self, rejected: list[dict[str, Any]], kept: bytes) -> None:
+    def set_aside_rows(self, reason: str) -> int:
+        """Move every row to samples.rejected.jsonl (a rerun from scratch must not leave the old rows
+        beside the new ones); returns how many."""
+        rows, kept, rejected = self._scan()
+        if not kept and not rejected:
+            return 0
+        lines = [
+            {"line": n, "reason": reason, "text": raw.decode("utf-8", "backslashreplace").rstrip("\n")}
+            for n, raw in zip(self._lines, kept, strict=True)
+        ]
+        self._set_aside(sorted(lines + rejected, key=lambda r: r["line"]), b"", quiet=True)
+        print(
+            f"kvbench: warning: {self.samples_path}: {len(lines)} earlier row(s) moved to "
+            f"{self.rejected_path.name} ({reason})",
+            file=sys.stderr,
+        )
+        return len(lines)
+
+    # -- provenance: which code wrote the rows --------------------------------------------------
+    @property
+    def provenance_path(self) -> Path:
+        return self.path / "provenance.json"
+
+    def sessions(self) -> list[dict[str, Any]]:
+        """Every process that ran in this folder, oldest first (see :meth:`record_session`)."""
+        try:
+            data = json.loads(self.provenance_path.read_text())
+        except (OSError, ValueError):
+            return []
+        return data.get("sessions", []) if isinstance(data, dict) else []
+
+    def record_session(self, session: dict[str, Any]) -> None:
+        """Append one session (code version, commit, dirty tree, rows already there, how a resume
+        across versions was accepted) to ``provenance.json``."""
+        write_json_atomic(self.provenance_path, {"sessions": [*self.sessions(), session]})
+
+    def _set_aside(self, rejected: list[dict[str, Any]], kept: bytes, quiet: bool = False) -> None:
         # the rejected lines are saved (and synced) before samples.jsonl loses them
         with open(self.rejected_path, "a") as f:
             f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rejected)
             f.flush()
             os.fsync(f.fileno())
         atomic.write_bytes(self.samples_path, kept)
+        if quiet:
+            return
         where = "; ".join(f"line {r['line']}: {r['reason']}" for r in rejected[:3])
         more = f"; and {len(rejected) - 3} more" if len(rejected) > 3 else ""
         print(
-            f"kvbench: warning: {self.samples_path}: {len(rejected)} malformed line(s) moved to "
-            f"{self.rejected_path.name}, their samples run again ({where}{more})",
+            f"kvbench: warning: {self.samples_path}: {_counted(rejected)} moved to "
+            f"{self.rejected_path.name}, their samples run again unless another row holds them "
+            f"({where}{more})",
             file=sys.stderr,
         )
 

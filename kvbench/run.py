@@ -30,12 +30,19 @@ from tqdm import tqdm
 import kvbench
 from kvbench.config import build_config, check_choice, require, to_plain, unknown_key
 from kvbench.data import resolve_data_root
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, Interrupted, Terminated
 from kvbench.methods import Method, build_method
 from kvbench.methods.base import with_run_bits
 
 # format_table lives with the results so that a sweep's driver can print a table without importing torch.
-from kvbench.results import RunFolder, analysis_plan, canonical_json, format_table, run_id  # noqa: F401
+from kvbench.results import (  # noqa: F401
+    RunFolder,
+    _clean,
+    analysis_plan,
+    canonical_json,
+    format_table,
+    run_id,
+)
 from kvbench.tasks import Task, build_task
 
 # Top-level keys other than RunConfig's own: nodes validated by their own dataclasses.
@@ -43,14 +50,29 @@ NODE_KEYS = ("model", "task", "method", "logger", "analysis")
 SEED_LIMIT = 2**32  # numpy's generators take seeds below this; torch takes them too
 
 
+RESUME_CHOICES = (True, False, "force")
+
+
 @dataclass
 class OutputConfig:
+    """``resume``: true skips the samples a run folder already holds, provided the same code wrote
+    them (commit, kvbench version, method and task versions); ``force`` accepts rows written by
+    other code too, and the run records that it did (``provenance.json``); false reruns every
+    sample."""
+
     root: str = "results/runs"
-    resume: bool = True
+    resume: bool | str = True
 
     def __post_init__(self):
         require(
             isinstance(self.root, str) and self.root.strip() != "", "output.root", self.root, "a folder path"
+        )
+        require(
+            any(self.resume is c or self.resume == c for c in RESUME_CHOICES if isinstance(c, str))
+            or isinstance(self.resume, bool),
+            "output.resume",
+            self.resume,
+            "true, false or force",
         )
 
     def check_root(self) -> None:
@@ -112,14 +134,72 @@ class RunConfig:
         return self.device
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> str | None:
+    """``git ARGS`` in the package's folder: its stdout, or None outside a checkout."""
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
+            ["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
         )
-        return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _git_commit() -> str | None:
+    return _git("rev-parse", "HEAD") or None
+
+
+def _git_dirty() -> bool | None:
+    """Whether tracked files differ from the commit (untracked files change no computation)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else status != ""
+
+
+def code_identity(method: Method, task: Any) -> dict[str, Any]:
+    """What wrote a run's rows: the commit (and whether the checkout was modified), kvbench's
+    version, and the method's and task's declared versions."""
+    return {
+        "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
+        "kvbench": kvbench.__version__,
+        "method_version": type(method.config).version,
+        "task_version": getattr(task.config, "version", None),
+    }
+
+
+# The fields of code_identity that must agree for rows to be resumed (a dirty flag alone is noted).
+SAME_CODE_KEYS = ("git_commit", "kvbench", "method_version", "task_version")
+
+
+def _describe(code: dict[str, Any] | None) -> str:
+    if code is None:
+        return "code that left no record (a run from before provenance.json)"
+    commit = (code.get("git_commit") or "no commit")[:10] + (" (modified)" if code.get("git_dirty") else "")
+    return (
+        f"commit {commit}, kvbench {code.get('kvbench')}, method v{code.get('method_version')}, "
+        f"task v{code.get('task_version')}"
+    )
+
+
+def check_resume(folder: RunFolder, done: int, code: dict[str, Any], resume: bool | str) -> str | None:
+    """Refuse (ConfigError) to add rows to ``done`` rows that other code wrote, unless ``resume``
+    is ``force``; returns how the resume was accepted (None when nothing was mixed)."""
+    if not done:
+        return None
+    sessions = folder.sessions()
+    last = sessions[-1].get("code") if sessions else None
+    if last is not None and all(last.get(k) == code[k] for k in SAME_CODE_KEYS):
+        return None
+    if resume == "force":
+        warn(f"{folder.path}: resuming {done} rows written by {_describe(last)} with {_describe(code)}")
+        return "force"
+    raise ConfigError(
+        "output.resume",
+        resume,
+        f"{folder.path} holds {done} rows written by {_describe(last)}; this is {_describe(code)}. "
+        "Pass output.resume=force to add to them (the run records it), or use another output.root "
+        "to start afresh",
+    )
 
 
 def versions() -> dict[str, Any]:
@@ -131,6 +211,7 @@ def versions() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
         "platform": platform.platform(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
@@ -297,15 +378,24 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
     # to one folder (fp16 ignores bits); the second waits, then resumes and finds nothing to do.
     with folder.lock():
         folder.write_config({**config, "run_id": rid})
-        done = {r["sample_id"]: r for r in folder.resume_rows()} if run_cfg.output.resume else {}
+        ids = {s["id"] for s in samples}
+        if run_cfg.output.resume:
+            done = {r["sample_id"]: r for r in folder.resume_rows(ids)}
+        else:
+            done = {}
+            folder.set_aside_rows("output.resume=false: every sample runs again")
         todo = [s for s in samples if s["id"] not in done]
         finished = folder.path / "metrics.json"
         if not todo and finished.exists():
             # a resubmitted sweep: this point is complete, so skip the model load as well
-            try:
-                return {**json.loads(finished.read_text()), "folder": str(folder.path)}
-            except (ValueError, TypeError):  # damaged by hand: aggregate the rows again
-                warn(f"{finished} does not parse as a JSON object; it is written again from the samples")
+            stored = trusted_metrics(folder, finished, task, [done[s["id"]] for s in samples])
+            if stored is not None:
+                return {**stored, "folder": str(folder.path)}
+        code = code_identity(method, task)
+        accepted = check_resume(folder, len(done) if todo else 0, code, run_cfg.output.resume)
+        folder.record_session(
+            {"code": code, "rows_before": len(done), "resume": accepted or run_cfg.output.resume}
+        )
 
         for message in plan.warnings.values():
             warn(message)
@@ -320,25 +410,12 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
         bar = tqdm(
             todo, desc=f"{task.registered_name} {method.label()}", disable=not progress, file=sys.stderr
         )
-        for sample in bar:
-            t_sample = time.perf_counter()
-            row = task.run(sample, runner)
-            memory = row.pop("memory", None)
-            row = {
-                "sample_id": sample["id"],
-                "seed": run_cfg.seed,
-                "task": task.registered_name,
-                "model": model_cfg.name,
-                "method": method.label(),
-                "bits": method.config.bits,
-                **row,
-                "memory": memory.to_dict() if memory is not None else None,
-                "seconds": time.perf_counter() - t_sample,
-            }
-            folder.append(row)
-            done[sample["id"]] = row
-            bar.set_postfix({task.primary_metric: f"{row.get(task.primary_metric, float('nan')):.3g}"})
-
+        try:
+            _run_samples(bar, done, folder, task, runner, method, model_cfg, run_cfg)
+        except KeyboardInterrupt as err:
+            finished_rows = sum(s["id"] in done for s in samples)
+            raise Interrupted(finished_rows, len(samples), isinstance(err, Terminated)) from None
+        # the rows in the task's order, whatever order they were appended in
         rows = [done[s["id"]] for s in samples if s["id"] in done]
         memory = memory_summary(rows)
         measured = memory_warnings(memory, method.label())
@@ -372,6 +449,54 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
 
         log_run(config, metrics)  # after the folder is written: a logger failure cannot lose results
         return metrics
+
+
+def trusted_metrics(folder: RunFolder, path: Path, task: Any, rows: list[dict[str, Any]]) -> dict | None:
+    """A finished run's ``metrics.json`` checked against its rows: ``metrics.json`` is only a cache
+    of what the samples say. Its aggregates are recomputed from the rows; where they differ (a hand
+    edit, rows set aside since) a warning shows both values and the file is rewritten. None when it
+    does not parse (the caller aggregates the rows again)."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = None
+    if not isinstance(stored, dict):
+        warn(f"{path} does not parse as a JSON object; it is written again from the samples")
+        return None
+    fresh = json.loads(json.dumps(_clean(task.aggregate(rows)), sort_keys=True, default=str))
+    if stored.get("metrics") != fresh:
+        old = stored.get("metrics") or {}
+        diffs = [k for k in sorted(set(old) | set(fresh)) if old.get(k) != fresh.get(k)]
+        shown = "; ".join(
+            f"{k}: {old.get(k)!r} in the file, {fresh.get(k)!r} from the samples" for k in diffs[:3]
+        )
+        more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+        warn(f"{path} disagrees with its {len(rows)} sample rows ({shown}{more}); rewritten from the samples")
+        stored = {**stored, "metrics": fresh}
+        folder.write_metrics({k: v for k, v in stored.items() if k != "folder"})
+    return stored
+
+
+def _run_samples(bar, done, folder, task, runner, method, model_cfg, run_cfg) -> None:
+    """Run and append each sample of ``todo`` (``done`` gains each finished row)."""
+    for sample in bar:
+        t_sample = time.perf_counter()
+        row = task.run(sample, runner)
+        memory = row.pop("memory", None)
+        row = {
+            "sample_id": sample["id"],
+            "seed": run_cfg.seed,
+            "task": task.registered_name,
+            "model": model_cfg.name,
+            "method": method.label(),
+            "bits": method.config.bits,
+            **row,
+            "memory": memory.to_dict() if memory is not None else None,
+            "seconds": time.perf_counter() - t_sample,
+        }
+        folder.append(row)
+        done[sample["id"]] = row
+        bar.set_postfix({task.primary_metric: f"{row.get(task.primary_metric, float('nan')):.3g}"})
 
 
 def summary_line(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -139,7 +139,7 @@ CASES = [
     (["+method=nope"], "method", "known method nodes"),
     (["+experiment=nope"], "experiment", "known experiment nodes"),
     (["device=tpu"], "device", "auto, cpu, cuda"),
-    (["output.resume=maybe"], "output.resume", "true or false"),
+    (["output.resume=maybe"], "output.resume", "true, false or force"),
     (["task.limit=0"], "task.limit", "positive"),
     (["task.depths=[150]"], "task.depths", "0..100"),
     (["task.context_lengths=[9000]"], "task.context_lengths", "8192"),
@@ -382,7 +382,7 @@ elif point == "inside-metrics-write":
 
     def cut_fdopen(fd, *args, **kwargs):
         handle = fdopen(fd, *args, **kwargs)
-        handle.write('{"run_id": ')
+        handle.write(b'{"run_id": ')  # atomic writes are binary
         handle.flush()
         die()
 

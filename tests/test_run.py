@@ -5,6 +5,7 @@ import json
 import pytest
 
 from kvbench import run as run_module
+from kvbench.errors import Interrupted
 from kvbench.methods import METHODS
 from kvbench.models import model_node
 from kvbench.paths import CONF_DIR
@@ -39,7 +40,7 @@ def test_killed_run_resumes_without_redoing_finished_samples(tmp_path, data_root
         return original(self, sample, runner)
 
     monkeypatch.setattr(NIAH, "run", dying_run)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted, match="interrupted after 2 of 4 samples; the same command resumes"):
         run_module.execute(cfg, progress=False)
     folders = list(tmp_path.glob("niah/smollm2-135m/kivi-2b/seed0-*"))
     assert len(folders) == 1

@@ -44,6 +44,10 @@ class MethodConfig:
     sink_tokens: int = 0
 
     default_bits: ClassVar[float | None] = None
+    # Bumped whenever the method's stored bytes or attention change for the same config: a version
+    # other than 1 enters the run id (kvbench.results.canonical_config), so a bump starts new runs,
+    # and a run folder refuses to resume rows that another version wrote.
+    version: ClassVar[int] = 1
     # The backends a method implements; a method with only the torch reference sets ("torch",).
     backends: ClassVar[tuple[str, ...]] = BACKENDS
     bits_knob: ClassVar[str | None] = "bits"
