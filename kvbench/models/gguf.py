@@ -189,8 +189,20 @@ def source_manifest(cfg: ModelConfig, gguf: Path) -> dict[str, Any]:
         "package": cfg.gguf_package,
         "package_version": _package_version(cfg.gguf_package),
         "gguf_file": cfg.gguf_file,
-        "gguf_sha256": _sha256(gguf),
+        "gguf_sha256": _package_sha256(str(gguf), *_identity(gguf)),
     }
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=8)
+def _package_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """A package GGUF's digest, once per process and file version: a sweep's checks ask for it at
+    every point, and the load asks again."""
+    return _sha256(Path(path))
 
 
 def _package_version(package: str | None) -> str | None:
