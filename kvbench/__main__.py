@@ -293,10 +293,48 @@ def run_config(cfg: DictConfig) -> dict:
         raise ConfigError(str(err.full_key or "config"), None, first) from err
 
 
-def sweep_points(argv_overrides: list[str], config_name: str, multirun: bool) -> Iterator[tuple[str, dict]]:
+# What Hydra leaves in a folder it ran in: a folder holding it is Hydra's own, rerun into.
+HYDRA_TRACES = {"hydra.run.dir": ".hydra/config.yaml", "hydra.sweep.dir": "multirun.yaml"}
+
+
+def check_hydra_dir(master: DictConfig, multirun: bool) -> None:
+    """Hydra's output folder (``hydra.run.dir``, or ``hydra.sweep.dir`` for a multirun) must be one
+    it can create and write: one line otherwise, before Hydra fails on it with a traceback. One that
+    already holds files neither Hydra nor kvbench wrote (a folder of the user's) gets a warning:
+    Hydra adds its ``.hydra/`` config and a log there, beside them. The default folder, under
+    ``output.root/.hydra/`` and unique per process, never exists beforehand."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf.errors import OmegaConfBaseException
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    HydraConfig.instance().set_config(master)
+    try:
+        value = OmegaConf.select(master, key)
+    except OmegaConfBaseException as err:
+        raise ConfigError(key, None, str(err).strip().splitlines()[0]) from err
+    if value is None:
+        return
+    folder = Path(str(value)).expanduser()
+    paths.check_writable_folder(
+        key, value, folder, "a folder Hydra can create and write (its .hydra/ config and log go there)"
+    )
+    if folder.is_dir() and not (folder / HYDRA_TRACES[key]).exists():
+        entries = sum(1 for _ in folder.iterdir())
+        if entries:
+            print(
+                f"kvbench: warning: {key}={value} already holds {entries} entries that Hydra did not write; "
+                "Hydra adds .hydra/ and its log beside them (an empty or new folder keeps them apart)",
+                file=sys.stderr,
+            )
+
+
+def sweep_points(
+    argv_overrides: list[str], config_name: str, multirun: bool, masters: list | None = None
+) -> Iterator[tuple[str, dict]]:
     """``(label, config)`` for every job the command would launch: the label names the swept values
     of a sweep point (empty for a single run). Expands a sweep the way Hydra's basic sweeper does,
-    the node's own ``hydra.sweeper.params`` first, then the command line."""
+    the node's own ``hydra.sweeper.params`` first, then the command line. The composed master
+    config (with its ``hydra`` node) is appended to ``masters`` when given."""
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
@@ -308,12 +346,16 @@ def sweep_points(argv_overrides: list[str], config_name: str, multirun: bool) ->
             argv_overrides,
             lambda: loader.load_configuration(config_name, argv_overrides, RunMode.RUN),
         )
+        if masters is not None:
+            masters.append(master)
         yield "", run_config(master)
         return
     sweep = sweep_jobs(argv_overrides, config_name)
     if sweep is None:
         return  # another sweeper expands its own search space; each job still checks itself
     master, jobs = sweep
+    if masters is not None:
+        masters.append(master)
     for label, job in jobs:
         cfg = _compose(loader, config_name, job, lambda job=job: loader.load_sweep_config(master, job))
         yield label, run_config(cfg)
@@ -361,8 +403,10 @@ def preflight(argv: list[str]) -> None:
     if any(getattr(args, flag, None) for flag in NO_RUN_FLAGS) or args.config_path or args.config_dir:
         return
     checked_tasks: dict[str, list] = {}
+    masters: list = []
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="kvbench"):
-        for label, config in sweep_points(args.overrides, args.config_name or "config", args.multirun):
+        points = sweep_points(args.overrides, args.config_name or "config", args.multirun, masters)
+        for label, config in points:
             # imported here: composition errors are reported before torch is imported (seconds)
             from kvbench.run import plan_run
 
@@ -372,6 +416,9 @@ def preflight(argv: list[str]) -> None:
                 if not label:
                     raise
                 raise ConfigError(err.key, err.value, f"{err.allowed} (sweep point {label})") from err
+        # after the runs' own checks: the default folder lives under output.root, checked there first
+        for master in masters:
+            check_hydra_dir(master, args.multirun)
 
 
 def cli(argv: list[str]) -> None:

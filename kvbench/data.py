@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import ConfigError
+from kvbench.paths import cache_dir
 
 ROOT_KEY = "data.root"
 ROOT_ENV = "KVBENCH_DATA_DIR"
@@ -35,9 +36,7 @@ FETCH_HINT = "`make assets` (or `python scripts/fetch_assets.py`)"
 
 def default_data_root() -> Path:
     """``$KVBENCH_CACHE_DIR/data``, where scripts/fetch_assets.py puts what it fetches."""
-    cache = os.environ.get("KVBENCH_CACHE_DIR")
-    base = Path(cache).expanduser() if cache else Path.home() / ".cache" / "kvbench"
-    return base / "data"
+    return cache_dir() / "data"
 
 
 def resolve_data_root(root: str | os.PathLike[str] | None) -> Path:
@@ -55,7 +54,12 @@ def resolve_data_root(root: str | os.PathLike[str] | None) -> Path:
     if env_root:
         path = Path(env_root).expanduser()
         if not path.is_dir():
-            raise ConfigError(ROOT_KEY, None, f"{ROOT_ENV}={env_root} is not an existing directory")
+            why = "a file" if path.exists() else "not found"
+            raise ConfigError(
+                ROOT_ENV,
+                env_root,
+                f"an existing directory with the task data (read when data.root is null); {why}",
+            )
         return path
     return default_data_root()
 

@@ -1,4 +1,4 @@
-"""Where kvbench finds the files it reads.
+"""Where kvbench finds the files it reads, and the rules for the folders it writes.
 
 - :data:`CONF_DIR`: the Hydra config tree (model, task, method, experiment, logger and launcher
   nodes) ships inside the package as ``kvbench/conf``, so an installed kvbench (``pip install .``,
@@ -11,11 +11,21 @@
   is the user's own folder: give ``--results DIR`` (a checkout's ``results/``) to read the
   committed claims and archives from elsewhere. What runs write (``output.root``, default
   ``results/runs``) is relative to the current directory either way.
+- :func:`safe_component`, :func:`check_inside`, :func:`check_writable_folder`: the checks every
+  folder kvbench writes passes (a name that becomes a folder is one safe name; a write lands inside
+  the output root, the cache or the folder the user named).
+- :func:`cache_dir`: kvbench's cache (``$KVBENCH_CACHE_DIR``, else ``~/.cache/kvbench``).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import tempfile
 from pathlib import Path
+from typing import Any
+
+from kvbench.errors import ConfigError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR / "conf"
@@ -33,3 +43,83 @@ def default_results() -> Path:
     """The results folder: the checkout's ``results/`` when run from a checkout, else ``./results``."""
     checkout = source_checkout()
     return checkout / "results" if checkout is not None else Path("results")
+
+
+# --- names that become folders, and the folders kvbench writes -------------------------------------
+#
+# Every value that becomes a path component (the model's name, the task's and method's labels, the
+# run id, the folder a GGUF converts into) is one safe folder name: a name with a separator, ``..``
+# or an absolute path would put the folder somewhere else, and the conversion cache would then
+# replace whatever sits there. A leading dot is refused as well: kvbench keeps its own locks,
+# temporary and stale folders under dotted names beside the folders it files results under.
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+SAFE_NAME_MAX = 128  # well under the 255 bytes a file system allows for one name, prefixes included
+SAFE_NAME_RULE = (
+    f"one folder name of at most {SAFE_NAME_MAX} letters, digits, '.', '_' or '-', not starting with '.' "
+    "(no '/', no '..', not empty): it becomes a folder name"
+)
+
+
+def safe_component(key: str, value: Any) -> str:
+    """``value`` when it is a safe single folder name (:data:`SAFE_NAME_RULE`), else a ConfigError
+    naming ``key``."""
+    if not isinstance(value, str) or len(value) > SAFE_NAME_MAX or not SAFE_NAME.fullmatch(value):
+        raise ConfigError(key, value, SAFE_NAME_RULE)
+    return value
+
+
+def check_inside(path: str | os.PathLike[str], root: str | os.PathLike[str], key: str, value: Any) -> Path:
+    """``path`` when it resolves inside ``root`` (or is ``root``), else a ConfigError naming ``key``.
+
+    Both are resolved, symbolic links included: a link inside the root that points elsewhere would
+    let a write land outside it as surely as a ``..`` would."""
+    resolved, base = Path(path).expanduser().resolve(), Path(root).expanduser().resolve()
+    if resolved != base and base not in resolved.parents:
+        raise ConfigError(
+            key, value, f"{path} resolves to {resolved}, outside {base}; kvbench writes only inside it"
+        )
+    return Path(path)
+
+
+def check_writable_folder(
+    key: str, value: Any, folder: str | os.PathLike[str], what: str = "a folder kvbench can create and write"
+) -> None:
+    """``folder`` exists as a folder kvbench can write, or can be created. Probed by making and
+    removing a temporary folder in its nearest existing ancestor: permission bits say yes to root on
+    read-only mounts (/sys)."""
+    path = Path(folder).expanduser()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(key, value, f"{what}; {existing} is a file")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvbench-probe-", dir=existing))
+    except OSError as err:
+        raise ConfigError(key, value, f"{what}; {existing}: {err.strerror}") from None
+
+
+# --- kvbench's cache --------------------------------------------------------------------------------
+
+CACHE_ENV = "KVBENCH_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """kvbench's cache root: ``$KVBENCH_CACHE_DIR`` (empty counts as unset), else ``~/.cache/kvbench``.
+    A ConfigError naming the variable when it names a file."""
+    raw = os.environ.get(CACHE_ENV)
+    if not raw:
+        return Path.home() / ".cache" / "kvbench"
+    path = Path(raw).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            CACHE_ENV, raw, "a folder for kvbench's cache (converted models, data); this is a file"
+        )
+    return path
+
+
+def check_cache_writable() -> None:
+    """The cache can be written (a conversion is about to happen there): one line naming
+    ``KVBENCH_CACHE_DIR`` otherwise."""
+    root = cache_dir()
+    what = "a folder kvbench can create and write its cache in (a model is converted into it)"
+    check_writable_folder(CACHE_ENV, os.environ.get(CACHE_ENV) or str(root), root, what)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from kvbench.errors import ConfigError
+from kvbench.paths import safe_component
 
 T = TypeVar("T")
 
@@ -20,6 +21,9 @@ class Registry(Generic[T]):
         self._items: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
+        # a registered name is a folder of every run's path (kvbench.run.run_folder)
+        safe_component(f"{self.kind} name", name)
+
         def decorator(obj: T) -> T:
             if name in self._items:
                 raise RuntimeError(f"{self.kind} {name!r} is registered twice")

@@ -350,14 +350,14 @@ def _run_folder(config: dict[str, Any]) -> tuple[Path, str, str]:
     from kvbench.methods import build_method
     from kvbench.models import ModelConfig
     from kvbench.results import run_id
-    from kvbench.run import run_config
+    from kvbench.run import run_config, run_folder
 
     config = run_config(config)
     label = build_method(config.get("method")).label()
     model = build_config(ModelConfig, config.get("model"), "model").name
     seed = config.get("seed", 0)
-    folder = Path(config["output"]["root"]) / config["task"]["name"] / model / label
-    return folder / f"seed{seed}-{run_id(config)}", label, model
+    folder = run_folder(config["output"]["root"], config["task"]["name"], model, label, seed, run_id(config))
+    return folder, label, model
 
 
 def _stored_progress(folder: Path) -> tuple[int, bool]:

@@ -14,11 +14,9 @@ carries no ``bits: ${bits}`` line.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -28,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 import kvbench
+from kvbench import paths
 from kvbench.config import build_config, check_choice, require, to_plain, unknown_key
 from kvbench.data import resolve_data_root
 from kvbench.errors import ConfigError, Interrupted, Terminated
@@ -76,18 +75,8 @@ class OutputConfig:
         )
 
     def check_root(self) -> None:
-        """The root can be created and written. Probed by making and removing a temporary folder in
-        its nearest existing ancestor: permission bits say yes to root on read-only mounts (/sys)."""
-        root = Path(self.root).expanduser()
-        existing = next(p for p in (root, *root.parents) if p.exists())
-        if not existing.is_dir():
-            raise ConfigError("output.root", self.root, f"a folder; {existing} is a file")
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".kvbench-probe-", dir=existing))
-        except OSError as err:
-            raise ConfigError(
-                "output.root", self.root, f"a folder kvbench can create and write; {existing}: {err.strerror}"
-            ) from None
+        """The root can be created and written (:func:`kvbench.paths.check_writable_folder`)."""
+        paths.check_writable_folder("output.root", self.root, self.root)
 
 
 @dataclass
@@ -281,6 +270,31 @@ def bits_ignored(config: dict[str, Any], method: Method) -> dict[str, str]:
     return {"bits_ignored": f"bits={bits:g} is ignored: {why}"}
 
 
+def check_environment() -> None:
+    """Every environment variable a run reads, through the reader its owner uses (each raises a
+    ConfigError naming the variable): a bad value fails here, before anything loads, rather than
+    where it is first used. ``KVBENCH_DATA_DIR`` is checked with the data root it stands for."""
+    from kvbench.kernels.runtime import interpreting
+    from kvbench.models.hub import hub_offline
+    from kvbench.quant.blockwise import configured_block_size
+
+    configured_block_size()
+    paths.cache_dir()
+    hub_offline()
+    interpreting()
+
+
+def check_conversion(model_cfg: Any) -> None:
+    """A GGUF that is not converted yet will be converted into the cache when the model loads: the
+    file must be whole and the cache writable, and nothing of the user's may sit where the
+    conversion goes (:func:`kvbench.models.gguf.converted_dir` says so)."""
+    from kvbench.models import gguf
+
+    if model_cfg.source == "gguf" and gguf.needs_conversion(model_cfg):
+        paths.check_cache_writable()
+        gguf.check_gguf(model_cfg)
+
+
 def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
     """Check a configuration (a Hydra DictConfig or a plain dict) against itself, the machine, the
     data and the model's files; raise ConfigError on the first problem. Cheapest checks first.
@@ -290,6 +304,7 @@ def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
     from kvbench.logger import LoggerConfig
     from kvbench.models import ModelConfig, peek_model
 
+    check_environment()
     given = to_plain(cfg)
     config = run_config(given)
     run_keys = [f.name for f in fields(RunConfig)]
@@ -308,6 +323,7 @@ def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
     task_key = canonical_json([config.get("task"), config.get("model"), str(data_root), run_cfg.seed])
     known = (checked_tasks or {}).get(task_key)
     samples = known if known is not None else task.samples()  # fails on missing or unreadable data
+    check_conversion(model_cfg)
     peeked = peek_model(model_cfg)
     if peeked is not None:
         method.config.check_model(peeked[0])
@@ -316,12 +332,8 @@ def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
     if checked_tasks is not None:
         checked_tasks[task_key] = samples
     rid = run_id(config)
-    folder = (
-        Path(run_cfg.output.root)
-        / task.registered_name
-        / model_cfg.name
-        / method.label()
-        / f"seed{run_cfg.seed}-{rid}"
+    folder = run_folder(
+        run_cfg.output.root, task.registered_name, model_cfg.name, method.label(), run_cfg.seed, rid
     )
     warnings = {**method.config.context_warnings(task.prompt_lengths()), **bits_ignored(given, method)}
     return RunPlan(
@@ -337,6 +349,18 @@ def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
         peeked is not None,
         warnings,
     )
+
+
+def run_folder(root: str, task: str, model: str, method: str, seed: int, rid: str) -> Path:
+    """``root/task/model/method/seed<seed>-<run id>``. Each part is one safe folder name (the model's
+    name is checked by its config; the others are made by kvbench, checked here all the same) and
+    the folder resolves inside ``root``: no configuration writes a run anywhere else."""
+    parts = {"task.name": task, "model.name": model, "method": method, "run id": f"seed{seed}-{rid}"}
+    for key, value in parts.items():
+        paths.safe_component(key, value)
+    folder = Path(root).joinpath(*parts.values())
+    paths.check_inside(folder, root, "output.root", root)
+    return folder
 
 
 def warn(message: str) -> None:

@@ -10,19 +10,19 @@ Nothing here imports triton at module level: kvbench's torch path may import thi
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
+from kvbench.env import env_flag
 from kvbench.errors import ConfigError
 
-# The spellings triton's own TRITON_INTERPRET parsing accepts as true (case-insensitive).
-_TRUE = ("1", "true", "on", "yes")
+INTERPRET_ENV = "TRITON_INTERPRET"
 
 
 def interpreting() -> bool:
-    """True when ``TRITON_INTERPRET`` asks for Triton's CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
+    """True when ``TRITON_INTERPRET`` asks for Triton's CPU interpreter (the spellings triton's own
+    parsing takes as yes); a value that is neither yes nor no is a ConfigError naming it."""
+    return env_flag(INTERPRET_ENV)
 
 
 def triton_available() -> bool:

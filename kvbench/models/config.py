@@ -30,13 +30,15 @@ class ModelConfig:
     is an error. A GGUF (file or package) is converted once into kvbench's cache
     (:mod:`kvbench.models.gguf`).
 
-    ``name`` is what results are filed under. Left null, it comes from ``path`` (the folder's name)
-    or ``gguf`` (the file's stem), slugified (:func:`kvbench.config.model_name_from`); the committed
-    nodes drop their own name, weights note, reference id and context limit when ``path``/``gguf``
-    replace their weights (see :mod:`kvbench.config`), so nothing of the default node describes
-    another model. ``reference_hub_id`` is documentation only: where the original (unquantized)
-    weights live. ``resources`` (``gpus``, ``cpus``, ``mem_gb``) is what one run asks a Slurm launcher
-    for; it changes no result, so the run id leaves it out.
+    ``name`` is what results are filed under (and the folder a package's GGUF converts into), so it
+    is one safe folder name (:func:`kvbench.paths.safe_component`). Left null, it comes from ``path``
+    (the folder's name) or ``gguf`` (the file's stem), slugified
+    (:func:`kvbench.config.model_name_from`); the committed nodes drop their own name, weights note,
+    reference id and context limit when ``path``/``gguf`` replace their weights (see
+    :mod:`kvbench.config`), so nothing of the default node describes another model.
+    ``reference_hub_id`` is documentation only: where the original (unquantized) weights live.
+    ``resources`` (``gpus``, ``cpus``, ``mem_gb``) is what one run asks a Slurm launcher for; it
+    changes no result, so the run id leaves it out.
     """
 
     name: str | None = None
@@ -62,8 +64,8 @@ class ModelConfig:
                     None,
                     "required; give a string (only model.path or model.gguf name a model by themselves)",
                 )
-        if not isinstance(self.name, str) or not self.name.strip():
-            raise ConfigError("model.name", self.name, "a non-empty model name")
+        # the name is a folder of the run's path and of the conversion cache
+        paths.safe_component("model.name", self.name)
         if self.dtype not in DTYPES:
             raise ConfigError("model.dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         if self.max_context is not None and (

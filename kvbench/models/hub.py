@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 from urllib.parse import urlparse
+
+from kvbench.env import env_flag
 
 # How long to wait for a TCP connection to the Hub before treating it as unreachable. Without this probe
 # huggingface_hub retries five times with back-off (~25 s) before giving up on each file.
 HUB_PROBE_TIMEOUT_S = 3.0
 
 
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
 def hub_offline() -> bool:
-    """Read the offline switches now: huggingface_hub reads them only once, at import time."""
-    flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
-    return any(str(flag).strip().lower() in {"1", "true", "yes", "on"} for flag in flags if flag)
+    """Read the offline switches now: huggingface_hub reads them only once, at import time. A value
+    that is neither yes nor no is a ConfigError naming the variable (huggingface_hub would read it
+    as no, and go online)."""
+    return any([env_flag(name) for name in OFFLINE_ENV])  # a list: every variable is checked
 
 
 def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,8 @@ import torch
 
 from kvbench.errors import ConfigError
 from kvbench.models.config import DTYPES, ModelConfig
-from kvbench.models.gguf import converted_dir, ensure_converted, gguf_path
+from kvbench.models.files import check_safetensors
+from kvbench.models.gguf import check_gguf, converted_dir, ensure_converted
 from kvbench.models.hub import hub_offline, hub_reachable
 from kvbench.models.shape import ModelShape, shape_of_config
 
@@ -63,6 +65,8 @@ def _local_folder(path: str | None) -> Path:
         raise ConfigError("model.path", path, f"{what}; it has no weights ({', '.join(WEIGHT_GLOBS)})")
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError("model.path", path, f"{what}; it has no tokenizer ({', '.join(TOKENIZER_FILES)})")
+    for weights in sorted(folder.glob("*.safetensors")):
+        check_safetensors(weights, "model.path", path)
     return folder
 
 
@@ -133,13 +137,13 @@ def peek_model(cfg: ModelConfig) -> tuple[ModelShape, Any] | None:
     folder = files_folder(cfg, fetch=True)
     gguf_file = None
     if folder is None and cfg.source == "gguf":
-        gguf = gguf_path(cfg)  # a missing package or file is the user's mistake: say so now
+        gguf = check_gguf(cfg)  # a missing, truncated or mislabelled file is the user's: say so now
         folder, gguf_file = gguf.parent, gguf.name
     if folder is None:
         return None
     try:
         config, tokenizer = _config_and_tokenizer(str(folder), gguf_file)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError, struct.error) as err:
         if cfg.source == "hub":
             return None  # the load itself reports it, with the source's own hint
         key = {"path": "model.path", "gguf": "model.gguf" if cfg.gguf else "model.gguf_file"}[cfg.source]

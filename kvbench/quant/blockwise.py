@@ -53,16 +53,17 @@ replaces the built-in causal rule of the current tokens. Rows that see no token 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvbench.env import env_positive_int
 from kvbench.quant.packing import chunk_layout, packed_length, unpack
 from kvbench.quant.rope import cos_sin, rotate
 
 DEFAULT_BLOCK_SIZE = 1024
+BLOCK_SIZE_ENV = "KVBENCH_BLOCK_SIZE"
 
 
 @runtime_checkable
@@ -728,11 +729,10 @@ def blockwise_attention(
 
 
 def configured_block_size() -> int:
-    """Stored tokens per attention block: ``KVBENCH_BLOCK_SIZE`` from the environment, else 1024."""
-    raw = os.environ.get("KVBENCH_BLOCK_SIZE", str(DEFAULT_BLOCK_SIZE))
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"KVBENCH_BLOCK_SIZE={raw!r}: expected a positive integer (tokens per block)")
-    return int(raw)
+    """Stored tokens per attention block: ``KVBENCH_BLOCK_SIZE`` from the environment, else 1024.
+    A ConfigError naming the variable when it is not a positive integer; a run checks it up front
+    (:func:`kvbench.run.check_environment`)."""
+    return env_positive_int(BLOCK_SIZE_ENV, DEFAULT_BLOCK_SIZE, "stored tokens per attention block")
 
 
 def blockwise_attention_forward(
