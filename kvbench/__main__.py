@@ -32,6 +32,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import paths
+from kvbench.atomic import WriteError
 from kvbench.config import unknown_key
 from kvbench.errors import ConfigError, Interrupted, Terminated
 
@@ -249,8 +250,14 @@ def hydra_error(err: Exception, loader, config_name: str, overrides: list[str]) 
         )
     if isinstance(err, OverrideParseException):
         bad = next((o for o in overrides if not _parses(o)), " ".join(overrides))
+        at = overrides.index(bad) if bad in overrides else -1
+        if "=" not in bad and at > 0 and "=" in overrides[at - 1]:
+            # the shell split an unquoted value with a space into two arguments
+            hint = f"; a value with spaces goes in quotes: '{overrides[at - 1]} {bad}'"
+        else:
+            hint = "; quote a value holding spaces or any of ()[]{},=:'\" (KEY='VALUE')"
         return ConfigError(
-            _override_parts(bad)[0], _override_parts(bad)[1], f"not valid override syntax: {first}"
+            _override_parts(bad)[0], _override_parts(bad)[1], f"not valid override syntax: {first}{hint}"
         )
     key = getattr(err, "full_key", None) or "config"
     return ConfigError(str(key), " ".join(overrides), first)
@@ -440,6 +447,32 @@ def cli(argv: list[str]) -> None:
     main()
 
 
+def _discard_hydra_dir(cfg: DictConfig) -> None:
+    """Remove the folder Hydra made for a single run that failed before it produced anything, when
+    it is kvbench's default one (``output.root/.hydra/<time>-<pid>``): a failed check must leave
+    nothing behind. A folder the user named, and a sweep's shared folder, stay."""
+    import shutil
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        hc = HydraConfig.get()
+        if hc.mode != RunMode.RUN:
+            return
+        out = Path(hc.runtime.output_dir).resolve()
+        default_parent = (Path(str(cfg.output.root)).expanduser() / ".hydra").resolve()
+    except Exception:  # no Hydra context (a direct call): nothing of Hydra's to remove
+        return
+    if out.parent != default_parent or not out.is_dir():
+        return
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        default_parent.rmdir()  # only when no other run's folder is in it
+    except OSError:
+        pass
+
+
 def _raise_terminated(signum, frame):
     raise Terminated()
 
@@ -465,12 +498,17 @@ def main(cfg: DictConfig) -> dict:
         metrics = execute(cfg)
     except ConfigError as err:
         print(f"kvbench: error: {err}", file=sys.stderr)
+        _discard_hydra_dir(cfg)
         sys.exit(2)
+    except WriteError as err:  # a full disk, a read-only mount: the file and what to do
+        print(f"kvbench: error: {err}", file=sys.stderr)
+        sys.exit(1)
     except Interrupted as err:
         print(f"kvbench: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except KeyboardInterrupt as err:  # before the first sample (model load, checks)
         print("kvbench: interrupted before any sample ran; the same command starts again", file=sys.stderr)
+        _discard_hydra_dir(cfg)
         sys.exit(143 if isinstance(err, Terminated) else 130)
     finally:
         if previous is not None:

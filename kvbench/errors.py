@@ -13,7 +13,19 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, value: object, allowed: str):
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key}={value!r}: {allowed}")
+        super().__init__(f"{key}={shown(value)}: {allowed}")
+
+
+SHOWN_CHARS = 120
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, cut to ``SHOWN_CHARS`` with the full length said: a pasted 100 kB value must
+    not become a 100 kB error line."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[: SHOWN_CHARS - 20]}...{text[-8:]} ({len(text)} characters)"
 
 
 class Terminated(KeyboardInterrupt):

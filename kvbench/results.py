@@ -210,6 +210,11 @@ class RunFolder:
                     rejected.append({"line": number, "reason": problem, "text": text})
         return rows, kept, rejected
 
+    def scan(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """``(rows, the lines that are not rows as rejection records)``, the file left as it is."""
+        rows, _, rejected = self._scan()
+        return rows, rejected
+
     def rows(self) -> list[dict[str, Any]]:
         """Finished rows, in file order; lines that are not rows are skipped, and the file is left
         as it is (a reader may look at a folder while its run is still appending)."""
@@ -300,10 +305,16 @@ class RunFolder:
 
     def append(self, row: dict[str, Any]) -> None:
         line = json.dumps(_clean(row), sort_keys=True, default=str) + "\n"
-        with open(self.samples_path, "a") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.samples_path, "a") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:  # a full disk, a lost mount: the next run sets the cut line aside
+            raise atomic.WriteError(
+                f"cannot write {self.samples_path}: {err.strerror or err}; the rows before it are kept "
+                "and the same command resumes once there is room"
+            ) from None
 
 
 @dataclass

@@ -142,6 +142,10 @@ CASES = [
     (["+experiment=nope"], "experiment", "known experiment nodes"),
     (["device=tpu"], "device", "auto, cpu, cuda"),
     (["output.resume=maybe"], "output.resume", "true, false or force"),
+    # an unquoted path with a space: the shell makes two arguments of it
+    (["task=perplexity", "task.path=/tmp/my", "book.txt"], "book.txt", "quotes: 'task.path=/tmp/my book"),
+    (["task.path=/tmp/a(b"], "task.path", "quote a value holding spaces"),
+    (["model.name=" + "x" * 5000], "model.name", "(5002 characters)"),
     (["task.limit=0"], "task.limit", "positive"),
     (["task.depths=[150]"], "task.depths", "0..100"),
     (["task.context_lengths=[9000]"], "task.context_lengths", "8192"),

@@ -126,9 +126,8 @@ def test_resume_false_moves_the_old_rows_aside(tmp_path, data_root, monkeypatch,
     assert metrics["timings"]["samples_run"] == 4 and len(folder.rows()) == 4
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_ends_a_run_with_one_line(tmp_path, data_root, signum, code):
-    args = [
+def _cli_args(tmp_path, data_root) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "kvbench",
@@ -138,12 +137,15 @@ def test_signal_ends_a_run_with_one_line(tmp_path, data_root, signum, code):
         "task.max_new_tokens=4",
         f"output.root={tmp_path / 'runs'}",
         f"data.root={data_root}",
-        f"hydra.run.dir={tmp_path / 'hydra'}",
     ]
+
+
+def _signalled(args: list[str], runs: Path, signum: int) -> tuple[subprocess.Popen, str, Path]:
+    """Start ``args``, send ``signum`` once a sample row is stored; (process, stderr, run folder)."""
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        samples = list((tmp_path / "runs").rglob("samples.jsonl"))
+        samples = list(runs.rglob("samples.jsonl"))
         if samples and samples[0].read_text().count("\n") >= 1:
             break
         if proc.poll() is not None:
@@ -154,9 +156,104 @@ def test_signal_ends_a_run_with_one_line(tmp_path, data_root, signum, code):
         pytest.fail("no sample within 300 s")
     os.kill(proc.pid, signum)
     _, err = proc.communicate(timeout=300)
+    return proc, err, samples[0].parent
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_ends_a_run_with_one_line(tmp_path, data_root, signum, code):
+    args = [*_cli_args(tmp_path, data_root), f"hydra.run.dir={tmp_path / 'hydra'}"]
+    proc, err, folder = _signalled(args, tmp_path / "runs", signum)
     assert proc.returncode == code, err[-2000:]
     assert "Traceback" not in err, err[-3000:]
     last = [line for line in err.splitlines() if line.strip()][-1]
-    n = len(RunFolder(samples[0].parent).rows())
+    n = len(RunFolder(folder).rows())
     assert last == f"kvbench: interrupted after {n} of 12 samples; the same command resumes", last
-    assert 1 <= n < 12 and not (samples[0].parent / "metrics.json").exists()
+    assert 1 <= n < 12 and not (folder / "metrics.json").exists()
+
+
+def test_refused_resume_on_the_cli_is_one_line_and_leaves_no_hydra_folder(tmp_path, data_root):
+    args = _cli_args(tmp_path, data_root)
+    proc, err, folder = _signalled(
+        [*args, f"hydra.run.dir={tmp_path / 'hydra'}"], tmp_path / "runs", signal.SIGINT
+    )
+    assert proc.returncode == 130, err[-2000:]
+    provenance = json.loads((folder / "provenance.json").read_text())
+    provenance["sessions"][-1]["code"]["git_commit"] = "f" * 40
+    (folder / "provenance.json").write_text(json.dumps(provenance))
+    rows = folder.joinpath("samples.jsonl").read_bytes()
+    again = subprocess.run(args, capture_output=True, text=True, timeout=600)  # Hydra's default folder
+    lines = [line for line in again.stderr.splitlines() if line.strip()]
+    assert again.returncode == 2 and len(lines) == 1, again.stderr[-2000:]
+    assert lines[0].startswith("kvbench: error: output.resume=True: ") and "commit ffffffffff" in lines[0]
+    assert folder.joinpath("samples.jsonl").read_bytes() == rows
+    assert not (tmp_path / "runs" / ".hydra").exists(), list((tmp_path / "runs" / ".hydra").rglob("*"))
+
+
+def test_full_disk_while_appending_or_writing_metrics_is_one_line(tmp_path, data_root, monkeypatch):
+    """ENOSPC anywhere in a run: one line naming the file; every finished row kept; the same
+    command then finishes the run."""
+    import errno
+
+    from kvbench import atomic
+
+    cfg = tiny_config(tmp_path, data_root, KIVI)
+    real_fsync, calls = os.fsync, []
+
+    def full_after(n):
+        def fsync(fd):
+            calls.append(fd)
+            if len(calls) > n:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_fsync(fd)
+
+        return fsync
+
+    # config.json and provenance.json (2 fsyncs each: file, folder is suppressed) then rows
+    monkeypatch.setattr(os, "fsync", full_after(4))
+    with pytest.raises(atomic.WriteError) as err:
+        run_module.execute(cfg, progress=False)
+    assert "samples.jsonl: No space left on device" in str(err.value) and "\n" not in str(err.value)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    (folder,) = {RunFolder(p.parent) for p in tmp_path.rglob("config.json")}
+    kept = len(folder.rows())
+
+    calls.clear()
+    original = atomic.write_bytes
+
+    def metrics_disk_full(path, data):
+        if path.name == "metrics.json":
+            monkeypatch.setattr(os, "fsync", full_after(0))
+        return original(path, data)
+
+    monkeypatch.setattr(atomic, "write_bytes", metrics_disk_full)
+    with pytest.raises(atomic.WriteError, match=r"cannot write .*metrics\.json: No space left on device"):
+        run_module.execute(cfg, progress=False)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    monkeypatch.setattr(atomic, "write_bytes", original)
+    assert not (folder.path / "metrics.json").exists() and not list(folder.path.glob(".*.tmp"))
+    assert len(folder.rows()) == 4 >= kept
+    metrics = run_module.execute(cfg, progress=False)
+    assert metrics["metrics"]["n"] == 4 and metrics["timings"]["samples_run"] == 0
+
+
+def test_report_warns_about_lines_that_are_not_rows(tmp_path, capsys):
+    from synthetic_runs import write_runs
+
+    from kvbench.analysis.frame import load_frame
+
+    runs = write_runs(tmp_path / "runs")
+    path = sorted(runs.rglob("samples.jsonl"))[-1]
+    before = len(load_frame(runs))
+    with open(path, "a") as f:
+        f.write("garbage\n{}\n")
+    capsys.readouterr()
+    assert len(load_frame(runs)) == before
+    err = capsys.readouterr().err
+    assert f"{path}: 2 line(s) that are not sample rows left out" in err
+
+
+def test_a_long_value_is_shortened_in_the_error_line():
+    from kvbench.errors import ConfigError
+
+    message = str(ConfigError("model.name", "x" * 100_000, "a short name"))
+    assert len(message) < 200 and "(100002 characters)" in message and message.endswith(": a short name")

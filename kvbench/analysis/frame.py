@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,15 @@ def _run_rows(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rows of one run folder and a summary of the run (for de-duplication)."""
     config = _read_json(folder / "config.json") or {}
     metrics = _read_json(folder / "metrics.json")
-    rows = RunFolder(folder).rows() if (folder / "samples.jsonl").exists() else []
+    rows, rejected = RunFolder(folder).scan() if (folder / "samples.jsonl").exists() else ([], [])
+    if rejected:
+        where = "; ".join(f"line {r['line']}: {r['reason']}" for r in rejected[:3])
+        more = f"; and {len(rejected) - 3} more" if len(rejected) > 3 else ""
+        print(
+            f"kvbench: warning: {folder / 'samples.jsonl'}: {len(rejected)} line(s) that are not sample "
+            f"rows left out ({where}{more}); a rerun of the run sets them aside",
+            file=sys.stderr,
+        )
     method_cfg = config.get("method") or {"name": "fp16"}
     task_cfg = config.get("task") or {}
     plan = {**PLAN_DEFAULTS, **(config.get("analysis") or {})}
