@@ -11,7 +11,8 @@ computed on the device are counted again as syncs:
 - an output whose size depends on values: ``nonzero``, ``masked_select``, ``unique`` and its
   variants, indexing or ``index_put_`` with a boolean mask, ``repeat_interleave`` with tensor
   repeats and no ``output_size``;
-- a device-to-host copy: ``_to_copy``/``copy_`` onto the CPU from another device;
+- a blocking device-to-host copy: ``_to_copy``/``copy_`` onto the CPU from another device (not a
+  ``non_blocking`` one into pinned memory);
 - ``Tensor.tolist()``/``Tensor.numpy()``: on the CPU these read memory without dispatching any aten
   operation, so they are caught one level up (a ``TorchFunctionMode``); whatever they dispatch is
   still counted as operations but not counted twice as syncs.
@@ -105,14 +106,19 @@ def sync_kind(func, args: tuple, kwargs: dict) -> str | None:
         output_size = args[1] if len(args) > 1 else kwargs.get("output_size")
         if output_size is None:
             return f"{name} (tensor repeats, no output_size)"
+    # a non-blocking copy to the host does not wait: _to_copy pins its output for it, and copy_ is
+    # asynchronous only into pinned memory
     if name == "aten::_to_copy":
         src = args[0]
-        if _is_cpu(kwargs.get("device")) and isinstance(src, torch.Tensor) and src.device.type != "cpu":
+        off_device = isinstance(src, torch.Tensor) and src.device.type != "cpu"
+        if _is_cpu(kwargs.get("device")) and off_device and not kwargs.get("non_blocking", False):
             return f"{name} (device to host)"
     if name == "aten::copy_":
         dst, src = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
         if isinstance(src, torch.Tensor) and dst.device.type == "cpu" and src.device.type != "cpu":
-            return f"{name} (device to host)"
+            if not (non_blocking and dst.is_pinned()):
+                return f"{name} (device to host)"
     return None
 
 
