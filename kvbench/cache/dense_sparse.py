@@ -10,11 +10,18 @@ by their fp16 values. Held (``held_tensors``): ``codes`` (packed codebook indice
 Every part lives in a doubling buffer (:class:`~kvbench.cache.growable.GrowableTokens`), so an
 append costs O(new tokens); :meth:`DenseSparseTokens.source` reads the store block by block for
 attention, outliers included (:class:`~kvbench.quant.blockwise.CodebookSource`).
+
+Appends run inside every decode step, so they avoid making the host wait for the device: the
+codebook, its decision boundaries and fixed ranges are kept in float32 per device (built once, not
+converted at every append), and per-token outliers, a fixed count per vector, are laid out from their
+top-k indices (no mask read back). Threshold outliers (fixed ranges: keys) are as many as the data
+say, so their count must come to the host: one ``nonzero`` per append, the one sync left here.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -23,12 +30,20 @@ from kvbench.quant.blockwise import CodebookSource
 from kvbench.quant.nuq import (
     key_outliers,
     masked_range,
+    midpoints,
     nearest_code,
     normalize,
     scale_zero,
     topk_outlier_mask,
+    topk_outliers,
 )
 from kvbench.quant.packing import pack, unpack
+
+
+class _Tables(NamedTuple):
+    codebook: torch.Tensor  # float32 [L]
+    midpoints: torch.Tensor  # float32 [L - 1]
+    channel_range: tuple[torch.Tensor, torch.Tensor] | None  # float32 (scale, zero) [1, H, 1, D]
 
 
 class DenseSparseTokens:
@@ -49,6 +64,17 @@ class DenseSparseTokens:
         self._vals = GrowableTokens(torch.float16)
         self.num_tokens = 0
         self.shape: tuple[int, int, int] = (0, 0, 0)  # B, H, D
+        self._tables: dict[torch.device, _Tables] = {}
+
+    def tables(self, device: torch.device) -> _Tables:
+        """The float32 codebook, its boundaries and the fixed range on ``device``, built once."""
+        if device not in self._tables:
+            rng = None
+            if self.channel_range is not None:
+                rng = tuple(p.to(device).float()[None, :, None, :] for p in self.channel_range)
+            codebook = self.codebook.float().to(device)
+            self._tables[device] = _Tables(codebook, midpoints(codebook), rng)
+        return self._tables[device]
 
     def append(self, x: torch.Tensor) -> None:
         if x.shape[-2] == 0:
@@ -56,26 +82,49 @@ class DenseSparseTokens:
         x = x.float()
         b, h, t, d = x.shape
         self.shape = (b, h, d)
-        if self.channel_range is not None:
-            scale, zero = (p.to(x.device)[None, :, None, :] for p in self.channel_range)
+        tables = self.tables(x.device)
+        top = None
+        if tables.channel_range is not None:
+            scale, zero = tables.channel_range
             mask = key_outliers(x, scale, zero, self.fraction)
         else:
-            mask = topk_outlier_mask(x, self.fraction) if self.fraction > 0 else None
+            top = topk_outliers(x, self.fraction) if self.fraction > 0 else None
+            mask = None if top is None else topk_outlier_mask(x, self.fraction, top)
             scale, zero = scale_zero(*masked_range(x, mask))
             self._scale.append(scale)
             self._zero.append(zero)
-        codes = pack(nearest_code(normalize(x, scale, zero), self.codebook.float().to(x.device)), self.levels)
+        codes = pack(nearest_code(normalize(x, scale, zero), None, tables.midpoints), self.levels)
         self._codes.append(codes)
-        if mask is not None and bool(mask.any()):
+        if top is not None:
+            self._append_sparse(*self._topk_entries(x, top))
+        elif mask is not None:
+            # as many as the data say: the count has to come to the host (one sync); indexing by the
+            # indices rather than by the mask reads it once
             ib, ih, it, id_ = mask.nonzero(as_tuple=True)
-            vals = x[mask]
+            vals = x[ib, ih, it, id_]
             order = torch.sort(it, stable=True).indices  # token order, so that reads find a range
-            ib, ih, it, id_, vals = ib[order], ih[order], it[order], id_[order], vals[order]
-            col_dtype = torch.int16 if b * h * d <= torch.iinfo(torch.int16).max else torch.int32
-            self._rows.append((it + self.num_tokens).to(torch.int32).view(1, 1, -1, 1))
-            self._cols.append(((ib * h + ih) * d + id_).to(col_dtype).view(1, 1, -1, 1))
-            self._vals.append(vals.half().view(1, 1, -1, 1))
+            self._append_sparse(it[order], ((ib * h + ih) * d + id_)[order], vals[order])
         self.num_tokens += t
+
+    @staticmethod
+    def _topk_entries(x: torch.Tensor, top: torch.Tensor):
+        """The entries of per-vector outliers at channels ``top [B, H, t, k]`` (ascending), in the
+        order ``nonzero`` plus a stable sort by token gives: token, then batch, head, channel."""
+        b, h, t, k = top.shape
+        d = x.shape[-1]
+        vals = x.gather(-1, top)
+        cols = torch.arange(0, b * h * d, d, device=x.device).view(b, h, 1, 1) + top
+        rows = torch.arange(t, device=x.device).view(1, 1, t, 1).expand(b, h, t, k)
+        return tuple(y.permute(2, 0, 1, 3).reshape(-1) for y in (rows, cols, vals))
+
+    def _append_sparse(self, rows, cols, vals) -> None:
+        """Entries in token order: ``rows`` token index within the append, ``cols`` flat ``(b * H_kv
+        + h) * D + d``, ``vals`` exact values (1-d each)."""
+        b, h, d = self.shape
+        col_dtype = torch.int16 if b * h * d <= torch.iinfo(torch.int16).max else torch.int32
+        self._rows.append((rows + self.num_tokens).to(torch.int32).view(1, 1, -1, 1))
+        self._cols.append(cols.to(col_dtype).view(1, 1, -1, 1))
+        self._vals.append(vals.half().view(1, 1, -1, 1))
 
     @property
     def codes(self) -> torch.Tensor | None:
@@ -97,10 +146,10 @@ class DenseSparseTokens:
         return tuple(buf.view().reshape(-1) for buf in (self._rows, self._cols, self._vals))
 
     def _range(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scale, zero)`` broadcastable to ``[B, H_kv, T, D]``."""
+        """``(scale, zero)`` broadcastable to ``[B, H_kv, T, D]`` (a fixed range in float32: the
+        fp16 held values, exactly)."""
         if self.channel_range is not None:
-            device = self._codes.buffer.device
-            return tuple(p.to(device)[None, :, None, :] for p in self.channel_range)
+            return self.tables(self._codes.buffer.device).channel_range
         return self.scale, self.zero
 
     def source(self) -> CodebookSource | None:
@@ -108,8 +157,9 @@ class DenseSparseTokens:
         if not self.num_tokens:
             return None
         scale, zero = self._range()
+        codebook = self.tables(self._codes.buffer.device).codebook
         return CodebookSource(
-            self.codes, self.levels, self.shape[2], self.codebook, scale, zero, outliers=self.sparse()
+            self.codes, self.levels, self.shape[2], codebook, scale, zero, outliers=self.sparse()
         )
 
     def bytes_reserved(self) -> int:

@@ -345,8 +345,14 @@ class ReadKVLayer(CompositeLayer):
         out, pk, pv = blockwise_query_adaptive_attention(
             qf, kc, vc, self.bits, kb, vb, scaling, exact_k, exact_v, mask, configured_block_size()
         )
-        self.read_bits_total += int(pk.sum()) * tq + int(pv.sum()) * d
-        self.read_values_total += 2 * pk.shape[0] * pk.shape[1] * pk.shape[2] * tq * d
+        # every row of pk / pv spends exactly min(budget, items * bits) bits
+        # (allocate_prefix_bits), so the tally is known on the host: summing the allocations
+        # would make the host wait for the device at every layer of every step
+        rows = pk.shape[0] * pk.shape[1] * pk.shape[2]
+        key_bits = max(0, min(int(kb), d * self.bits))
+        value_bits = max(0, min(int(vb), tq * self.bits))
+        self.read_bits_total += rows * (key_bits * tq + value_bits * d)
+        self.read_values_total += 2 * rows * tq * d
         out = out.reshape(b, h, q_len, d)
         return out.transpose(1, 2).contiguous().to(query.dtype), None
 

@@ -54,14 +54,16 @@ class SnapKVConfig(EvictionConfig):
 def snapkv_votes(
     query: torch.Tensor, keys: torch.Tensor, window: int, kernel_size: int, pooling: str, scaling: float
 ) -> torch.Tensor:
-    """Pooled votes ``[B, H_kv, T - window]`` of the prefix, from the prefill's ``query [B, H, T, D]``
-    and ``keys [B, H_kv, T, D]`` (the window is the last ``window`` positions, causal)."""
-    b, h, t, _ = query.shape
-    hk = keys.shape[1]
+    """Pooled votes ``[B, H_kv, T - window]`` of the prefix, from the prefill's ``query [B, H, q, D]``
+    (its last q positions, ``window <= q <= T``: a prefill that attends only its last queries, as
+    ``scripts/count_ops.py`` fills a cache, votes the same) and ``keys [B, H_kv, T, D]`` (the window
+    is the last ``window`` positions, causal)."""
+    b, h, q, _ = query.shape
+    hk, t = keys.shape[1], keys.shape[-2]
     pos = torch.arange(t - window, t, device=query.device)
     causal = torch.arange(t, device=query.device)[None, :] <= pos[:, None]  # [w, T]
     weights = torch.softmax(
-        grouped_logits(query[:, :, t - window :], keys, causal[None, None], scaling), dim=-1
+        grouped_logits(query[:, :, q - window :], keys, causal[None, None], scaling), dim=-1
     )
     votes = weights[..., : t - window].sum(dim=-2).reshape(b * h, 1, t - window)  # [B*H, 1, T-w]
     pool = F.max_pool1d if pooling == "max" else F.avg_pool1d

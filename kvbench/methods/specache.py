@@ -40,10 +40,15 @@ Choices the paper leaves open, made here:
   attend ``C' U C_K`` with the set chosen by the previous forward's last query, and choose the next
   set from their own last query; the first forward after the prompt attends ``C'`` alone.
 
-Transfers: with CUDA, the host store is pinned and each prefetch is copied on a side stream, which the
-next forward waits on before substituting; the top-k indices go to the host first (a small
-synchronising copy) because the rows are gathered there. Offloading new tokens is a plain copy.
-Without CUDA the same logic runs synchronously on the CPU, host and "device" both being host memory.
+Transfers: the rows are gathered on the host, so the top-k indices go there first. A prefetch
+chosen by one forward is used by the next, so nothing in the forward that chooses it waits for it:
+the indices are copied without blocking (into pinned memory with CUDA), and the rows are gathered
+and sent to the accelerator when the next forward substitutes them, by which time the indices have
+long arrived (the decode loop reads its token between the two forwards). With CUDA the host store
+is pinned, so the row copy to the accelerator does not block either. Only the non-speculative fetch
+(Table 4), which attends its own top-k in the same forward, waits for its indices. Offloading new
+tokens is a plain copy. Without CUDA the same logic runs on the CPU, host and "device" both being
+host memory.
 
 Accounting: :meth:`SpeCacheLayer.held_tensors` is what the accelerator holds (codes, scales, zeros,
 residual, the current prefetched rows); :meth:`SpeCacheLayer.host_tensors` the FP16 host store.
@@ -70,9 +75,12 @@ from kvbench.methods.affine_base import AffineKVConfig, kv_bits_label
 from kvbench.methods.base import Method, covers_context, register_method
 from kvbench.quant.blockwise import ConcatSource, FullPrecisionSource, LogitObserver
 
-# Host buffers grow by this many tokens past the prompt, so that decoding reallocates rarely; the
-# spare capacity is held memory and is accounted.
+# Host buffers hold the prompt exactly and grow during decoding by this many tokens, or by an eighth
+# of what they hold when that is more: geometric growth, so a long decode copies the store O(1)
+# times per token (a fixed block would copy all of it every block), with at most an eighth spare.
+# The spare capacity is held memory and is accounted.
 HOST_BLOCK = 64
+HOST_GROWTH = 8
 
 
 @dataclass
@@ -142,7 +150,7 @@ EXACT = Plan(store=None, select=-1, use_fetched=False, exact=True)
 
 class HostTokens:
     """FP16 tokens ``[B, H_kv, T, D]`` in host memory (pinned when CUDA exists), in a buffer that
-    holds the prompt exactly and grows by :data:`HOST_BLOCK` tokens during decoding."""
+    holds the prompt exactly and grows by ``max(HOST_BLOCK, capacity // HOST_GROWTH)`` tokens."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
@@ -159,7 +167,7 @@ class HostTokens:
             return
         need = self.n + t
         if self.buf is None or need > self.buf.shape[-2]:
-            cap = need if self.buf is None else need + HOST_BLOCK
+            cap = need if self.buf is None else need + max(HOST_BLOCK, self.buf.shape[-2] // HOST_GROWTH)
             grown = self._alloc((*x.shape[:-2], cap, x.shape[-1]))
             if self.n:
                 grown[..., : self.n, :].copy_(self.buf[..., : self.n, :])
@@ -237,9 +245,8 @@ class SpeCacheLayer(KIVILayout):
         self.fetched_idx: torch.Tensor | None = None
         self.fetched_k: torch.Tensor | None = None
         self.fetched_v: torch.Tensor | None = None
-        self._ready: torch.cuda.Event | None = None
-        self._stream = None
-        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
+        # a prefetch whose rows are not gathered yet: (host indices, the event of their copy or None)
+        self._requested: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._past_len = 0  # stored tokens before the current forward
         self._stored_now = 0  # tokens of the current forward that were stored
         self.fetches = 0
@@ -257,6 +264,7 @@ class SpeCacheLayer(KIVILayout):
         return {"host_fp": self.host_k.tensors() + self.host_v.tensors()}
 
     def held_tensors(self):
+        self._materialize()
         fetched = [t for t in (self.fetched_k, self.fetched_v) if t is not None]
         return merge_held(super().held_tensors(), {"prefetched": fetched} if fetched else {})
 
@@ -266,37 +274,42 @@ class SpeCacheLayer(KIVILayout):
 
     # -- prefetch --------------------------------------------------------------------------------
     def fetch(self, idx: torch.Tensor, asynchronous: bool) -> None:
-        """Bring the host's FP16 rows ``idx [B, H_kv, k]`` to the accelerator as the prefetched set."""
-        rows_k = self.host_k.gather(idx.to("cpu"))
-        rows_v = self.host_v.gather(idx.to("cpu"))
+        """Make the host's FP16 rows ``idx [B, H_kv, k]`` the prefetched set. ``asynchronous``: for
+        the next forward; only the indices move now, without blocking, and the rows follow when that
+        forward substitutes them (:meth:`_materialize`). Else now, waiting for the indices."""
         device = self.device
-        if device.type == "cuda" and asynchronous:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device)
-            with torch.cuda.stream(self._stream):
-                fk = rows_k.to(device, non_blocking=True)
-                fv = rows_v.to(device, non_blocking=True)
-                self._ready = torch.cuda.Event()
-                self._ready.record(self._stream)
-            # the pinned staging rows must outlive the copy; the device rows are allocated on the
-            # side stream and used on the compute stream
-            self._staging = (rows_k, rows_v)
-            fk.record_stream(torch.cuda.current_stream(device))
-            fv.record_stream(torch.cuda.current_stream(device))
+        self.fetched_idx = idx.to(device)
+        if asynchronous and idx.device.type == "cuda":
+            host = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
+            host.copy_(idx, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            self._requested = (host, copied)
         else:
-            fk, fv = rows_k.to(device), rows_v.to(device)
-            self._ready = None
-        self.fetched_idx, self.fetched_k, self.fetched_v = idx.to(device), fk, fv
+            self._requested = (idx.to("cpu"), None)
+        if not asynchronous:
+            self._materialize()
         self.fetches += 1
         self.fetched_entries += idx.numel()
-        self.fetched_bytes += fk.numel() * fk.element_size() + fv.numel() * fv.element_size()
+        self.fetched_bytes += 2 * idx.numel() * self.host_k.buf.shape[-1] * self.host_k.dtype.itemsize
+
+    def _materialize(self) -> None:
+        """Gather the requested rows on the host and send them to the accelerator (once)."""
+        if self._requested is None:
+            return
+        host_idx, copied = self._requested
+        self._requested = None
+        if copied is not None:
+            copied.synchronize()  # recorded a forward ago: long complete
+        rows_k, rows_v = self.host_k.gather(host_idx), self.host_v.gather(host_idx)
+        pinned = self.device.type == "cuda" and rows_k.is_pinned()
+        self.fetched_k = rows_k.to(self.device, non_blocking=pinned)
+        self.fetched_v = rows_v.to(self.device, non_blocking=pinned)
 
     def substituted(self, low_bit: StoredTokens) -> StoredTokens:
         """``C' U C_K``: the low-bit entries at the prefetched positions hidden, the prefetched FP16
         rows added at their positions."""
-        if self._ready is not None:
-            torch.cuda.current_stream().wait_event(self._ready)
-            self._ready = None
+        self._materialize()
         if self.log is not None:
             self.log.append(self.fetched_idx.clone())
         b, h, k = self.fetched_idx.shape
@@ -359,7 +372,7 @@ class SpeCacheCache(KVBenchCache):
 
     def __init__(self, layers):
         super().__init__(layers)
-        self.speculative: int | None = None
+        self.speculative: torch.Tensor | None = None  # [1, 1] token id, on the logits' device
 
     def set_plan(self, plan: Plan | None) -> None:
         """``plan`` for the next forward in every SpeCache layer (None: each layer's default). A
@@ -393,16 +406,19 @@ class SpeCache(Method):
         """
         if not self.config.speculative:
             return runner.forward(input_ids, cache)
+        # the speculative token stays where the logits are: the next forward takes it from there,
+        # and reading it on the host would wait for the whole step
         try:
             if cache.speculative is None:
                 cache.set_plan(PRE_DECODE)
-                cache.speculative = int(runner.forward(input_ids, cache)[0, -1].argmax())
+                cache.speculative = runner.forward(input_ids, cache)[:, -1].argmax(-1, keepdim=True)
             cache.set_plan(SPECULATIVE_STEP)
-            pair = torch.cat([input_ids.cpu(), torch.tensor([[cache.speculative]])], dim=1)
+            speculative = cache.speculative
+            pair = torch.cat([input_ids.to(speculative.device), speculative], dim=1)
             logits = runner.forward(pair, cache)
         finally:
             cache.set_plan(None)
-        cache.speculative = int(logits[0, 1].argmax())
+        cache.speculative = logits[:, 1].argmax(-1, keepdim=True)
         return logits[:, :1]
 
     def base_label(self) -> str:

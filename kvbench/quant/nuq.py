@@ -31,13 +31,24 @@ def outlier_count(n: int, fraction: float) -> int:
     return 0 if fraction <= 0 else min(n, math.ceil(fraction * n - 1e-9))
 
 
-def topk_outlier_mask(x: torch.Tensor, fraction: float) -> torch.Tensor:
-    """bool mask of the ``outlier_count(D, fraction)`` largest-magnitude elements of each vector
-    along the last axis (ties broken by ``torch.topk``)."""
+def topk_outliers(x: torch.Tensor, fraction: float) -> torch.Tensor | None:
+    """Channel indices ``[..., k]`` (ascending) of the ``k = outlier_count(D, fraction)``
+    largest-magnitude elements of each vector along the last axis (ties broken by ``torch.topk``);
+    None when k is 0. A fixed count per vector, so the outliers' places are known without reading
+    the mask back."""
     k = outlier_count(x.shape[-1], fraction)
+    if not k:
+        return None
+    return x.float().abs().topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def topk_outlier_mask(x: torch.Tensor, fraction: float, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """bool mask of the ``outlier_count(D, fraction)`` largest-magnitude elements of each vector
+    along the last axis (ties broken by ``torch.topk``); ``idx``: their :func:`topk_outliers`,
+    when already at hand."""
     mask = torch.zeros_like(x, dtype=torch.bool)
-    if k:
-        idx = x.float().abs().topk(k, dim=-1).indices
+    idx = topk_outliers(x, fraction) if idx is None else idx
+    if idx is not None:
         mask.scatter_(-1, idx, True)
     return mask
 
@@ -84,10 +95,20 @@ def uniform_codebook(levels: int) -> torch.Tensor:
     return torch.linspace(-1.0, 1.0, levels)
 
 
-def nearest_code(y: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """uint8 index of the nearest signpost of a sorted ``codebook`` (ties go to the lower one)."""
-    mid = (codebook[1:] + codebook[:-1]) / 2
-    return torch.bucketize(y.float().contiguous(), mid.to(y.device).float()).to(torch.uint8)
+def midpoints(codebook: torch.Tensor) -> torch.Tensor:
+    """float32 decision boundaries between the neighbouring signposts of a sorted ``codebook``."""
+    return ((codebook[1:] + codebook[:-1]) / 2).float()
+
+
+def nearest_code(
+    y: torch.Tensor, codebook: torch.Tensor | None, mid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """uint8 index of the nearest signpost of a sorted ``codebook`` (ties go to the lower one).
+    ``mid``: its :func:`midpoints` on ``y``'s device, for a caller that quantizes often with one
+    codebook (then ``codebook`` is not read)."""
+    if mid is None:
+        mid = midpoints(codebook).to(y.device)
+    return torch.bucketize(y.float().contiguous(), mid).to(torch.uint8)
 
 
 def kmeans_1d(values: torch.Tensor, levels: int, iters: int = 100) -> torch.Tensor:
