@@ -158,6 +158,29 @@ def _plan_lines(plan: dict[str, Any]) -> list[str]:
     ]
 
 
+def modified_checkout_runs(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """``(folder, commit)`` of every run in ``frame`` whose rows some session wrote from a modified
+    checkout (``provenance.json``; ``metrics.json`` for runs made before it), where the folders are
+    at hand (a report on run folders; archives carry no folders)."""
+    import json
+
+    out = []
+    for folder in sorted(set(frame["folder"].dropna())) if "folder" in frame else []:
+        path = Path(str(folder))
+        try:
+            sessions = json.loads((path / "provenance.json").read_text()).get("sessions", [])
+            codes = [s.get("code") or {} for s in sessions]
+        except (OSError, ValueError, AttributeError):
+            try:
+                codes = [json.loads((path / "metrics.json").read_text()).get("versions") or {}]
+            except (OSError, ValueError, AttributeError):
+                continue
+        dirty = [c for c in codes if c.get("git_dirty")]
+        if dirty:
+            out.append((str(folder), ", ".join(sorted({str(c.get("git_commit"))[:10] for c in dirty}))))
+    return out
+
+
 def write_report(
     frame: pd.DataFrame,
     out: str | Path,
@@ -195,6 +218,12 @@ def write_report(
         lines += [f"- `{folder}`: {n}" for folder, n in duplicates.items()]
         for folder, n in duplicates.items():
             say(f"note: {folder}: {n} repeated sample row(s) dropped")
+    # from run folders only: the archives' folders are the machine's that ran them, not this one's
+    dirty = modified_checkout_runs(frame) if write_samples else []
+    if dirty:
+        lines += ["", "Runs made from a checkout with uncommitted changes (not the commit named):", ""]
+        lines += [f"- `{folder}`: {commit}" for folder, commit in dirty]
+        say(f"note: {len(dirty)} run(s) were made from a modified checkout; see report.md")
     superseded = frame.attrs.get("superseded", [])
     if superseded:
         lines += ["", "Runs left out (a fuller or newer run of the same configuration exists):", ""]

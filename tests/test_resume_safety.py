@@ -257,3 +257,20 @@ def test_a_long_value_is_shortened_in_the_error_line():
 
     message = str(ConfigError("model.name", "x" * 100_000, "a short name"))
     assert len(message) < 200 and "(100002 characters)" in message and message.endswith(": a short name")
+
+
+def test_report_names_runs_made_from_a_modified_checkout(tmp_path):
+    from synthetic_runs import write_runs
+
+    from kvbench.report import build_report
+
+    runs = write_runs(tmp_path / "runs")
+    folders = sorted(p.parent for p in runs.rglob("samples.jsonl"))
+    code = {"git_commit": "a" * 40, "git_dirty": True, "kvbench": "x", "method_version": 1, "task_version": 1}
+    RunFolder(folders[0]).record_session({"code": code, "rows_before": 0, "resume": True})
+    clean = {**code, "git_dirty": False}
+    RunFolder(folders[1]).record_session({"code": clean, "rows_before": 0, "resume": True})
+    result = build_report(runs, tmp_path / "report", seed=0, n_resamples=50)
+    text = (result["out"] / "report.md").read_text()
+    assert "uncommitted changes" in text and f"`{folders[0]}`: aaaaaaaaaa" in text
+    assert f"`{folders[1]}`" not in text.split("uncommitted changes")[1].split("##")[0]
