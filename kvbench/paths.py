@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -33,3 +34,10 @@ def default_results() -> Path:
     """The results folder: the checkout's ``results/`` when run from a checkout, else ``./results``."""
     checkout = source_checkout()
     return checkout / "results" if checkout is not None else Path("results")
+
+
+def cache_dir() -> Path:
+    """kvbench's cache root: ``$KVBENCH_CACHE_DIR``, else ``~/.cache/kvbench`` (converted models,
+    fetched data, compiled kernels)."""
+    root = os.environ.get("KVBENCH_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "kvbench"

