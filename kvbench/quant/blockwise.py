@@ -880,11 +880,13 @@ def blockwise_attention_forward(
     ``(attn_output [B, q, H_q, D], None)`` so that a layer's ``attend`` can return it directly.
     ``block_size`` defaults to ``KVBENCH_BLOCK_SIZE`` from the environment, else 1024. When the
     logits of all stored tokens fit :data:`SINGLE_CALL_BUDGET` (decode steps) and no block size is
-    forced, :func:`single_call_attention` runs instead, with ``reader``'s kernels."""
+    asked for (neither the argument nor ``KVBENCH_BLOCK_SIZE``), :func:`single_call_attention`
+    runs instead, with ``reader``'s kernels."""
     if scaling is None:
         scaling = module.scaling
     if (
         block_size is None
+        and "KVBENCH_BLOCK_SIZE" not in os.environ
         and keys is not None
         and keys.num_tokens
         and fits_single_call(query, keys.num_heads, keys.num_tokens)
