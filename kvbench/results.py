@@ -71,6 +71,10 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
                 k: v for k, v in core[node].items() if not (k in defaults and _same(v, defaults[k]))
             }
     method = core.get("method") or {"name": "fp16"}
+    if isinstance(method, dict) and method.get("backend") == "auto":
+        # auto stores the bytes torch stores and reads them up to float reassociation: the runs
+        # made before it existed (backend=torch) keep their id
+        method = core["method"] = {**method, "backend": "torch"}
     if "bits" not in method:
         core.pop("bits", None)
     version = _method_version(method.get("name"))

@@ -30,6 +30,7 @@ from kvbench import paths
 from kvbench.config import build_config, check_choice, require, to_plain, unknown_key
 from kvbench.data import resolve_data_root
 from kvbench.errors import ConfigError, Interrupted, Terminated
+from kvbench.kernels.cpu import backend_in_use
 from kvbench.methods import Method, build_method
 from kvbench.methods.base import with_run_bits
 
@@ -466,6 +467,8 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
                 "sample_s_mean": _mean([r.get("seconds") for r in rows]),
             },
             "versions": versions(),
+            # which kernels read the stored tokens in this process (compiled, torch, both)
+            "attention_backend": backend_in_use(),
             "folder": str(folder.path),
         }
         folder.write_metrics(metrics)

@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvbench.kernels.cpu.parts import read_kernels
 from kvbench.quant.blockwise import ConcatSource, LogitObserver, TokenSource, blockwise_attention_forward
 
 
@@ -82,6 +83,10 @@ class KVLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    # Who reads the stored tokens in decode steps (the method's ``backend``; Method.build_layers
+    # sets it): ``auto`` takes the compiled CPU kernels where they built, anything else the torch
+    # reference (triton's fused decode is a layout's own path).
+    read_backend = "auto"
 
     def __init__(self, layer_idx: int):
         super().__init__()
@@ -185,8 +190,8 @@ class KVLayer(CacheLayerMixin):
             return sdpa_attention_forward(module, query, keys, values, attention_mask, **kwargs)
         return self.attend_stored(module, query, stored, keys, values, attention_mask, **kwargs)
 
-    @staticmethod
     def attend_stored(
+        self,
         module,
         query: torch.Tensor,
         stored: StoredTokens,
@@ -213,6 +218,7 @@ class KVLayer(CacheLayerMixin):
             exact_values=values,
             positions=stored.positions,
             observer=observer,
+            reader=read_kernels(self.read_backend, query.device),
         )
 
     def get_seq_length(self) -> int:

@@ -70,5 +70,5 @@ class AffineKVConfig(FullPrecisionWindow, MethodConfig):
             "residual": self.residual,
             "zero_point": self.zero_point,
             "fp_dtype": fp_dtype,
-            "backend": self.backend,
+            "backend": self.storage_backend(),
         }

@@ -12,12 +12,14 @@ from kvbench.cache.sink import SinkLayer
 from kvbench.cache.sliding import SlidingWindowLayer
 from kvbench.config import DTYPES, build_config, check_choice, is_int, require
 from kvbench.errors import ConfigError
-from kvbench.kernels.runtime import require_triton
+from kvbench.kernels.runtime import require_triton, triton_available
 from kvbench.models import ModelShape
 from kvbench.quant.affine import levels_for_bits
 from kvbench.registry import Registry
 
-BACKENDS = ("torch", "triton")
+# ``auto``: compiled CPU kernels read the stored tokens on the CPU (torch packs them), triton does
+# both on CUDA where it is installed; ``torch``: the plain-torch reference everywhere.
+BACKENDS = ("auto", "torch", "triton")
 METHODS: Registry[type[Method]] = Registry("method")
 register_method = METHODS.register
 
@@ -27,8 +29,12 @@ class MethodConfig:
     """Fields every method has. ``bits`` is the run's top-level knob; ``None`` means the method's
     default. ``fp_dtype`` is the dtype of whatever a method keeps in full precision (FP16 as in the
     papers; ``auto`` keeps the model's own dtype). ``backend`` chooses who quantizes, packs and
-    reads the stored codes: ``torch`` (the reference, default) or ``triton`` (kernels that hold the
-    same bytes; needs CUDA or the Triton CPU interpreter). ``sink_tokens`` keeps the first k tokens
+    reads the stored codes: ``auto`` (default: on the CPU torch packs and the compiled kernels of
+    :mod:`kvbench.kernels.cpu` read, falling back to torch where they did not build; on CUDA
+    triton where installed), ``torch`` (the reference) or ``triton`` (kernels that hold the same
+    bytes; needs CUDA or the Triton CPU interpreter). The bytes stored are the same under every
+    backend, and reads differ by float reassociation only, so ``auto`` and ``torch`` share run ids
+    (:func:`kvbench.results.canonical_config`). ``sink_tokens`` keeps the first k tokens
     of every sequence lossless in ``fp_dtype`` in front of any method's storage (IntactKV; KVQuant's
     attention sink).
 
@@ -40,7 +46,7 @@ class MethodConfig:
     name: str = ""
     bits: float | None = None
     fp_dtype: str = "float16"
-    backend: str = "torch"
+    backend: str = "auto"
     sink_tokens: int = 0
 
     default_bits: ClassVar[float | None] = None
@@ -55,7 +61,7 @@ class MethodConfig:
     def __post_init__(self):
         check_choice("method.fp_dtype", self.fp_dtype, (*DTYPES, "auto"))
         check_choice("method.backend", self.backend, BACKENDS)
-        if self.backend not in self.backends:
+        if self.backend != "auto" and self.backend not in self.backends:
             raise ConfigError(
                 "method.backend",
                 self.backend,
@@ -68,6 +74,15 @@ class MethodConfig:
             self.bits = self.default_bits
         if self.bits is not None:
             self.bits = float(self.bits)
+
+    def storage_backend(self) -> str:
+        """Who quantizes and packs: ``backend``, with ``auto`` resolved to ``triton`` on a CUDA
+        machine with triton (for a method that implements it) and to ``torch`` otherwise."""
+        if self.backend != "auto":
+            return self.backend
+        if "triton" in self.backends and torch.cuda.is_available() and triton_available():
+            return "triton"
+        return "torch"
 
     def resolve_kv_bits(self) -> None:
         """Fill ``key_bits``/``value_bits`` (fields of methods that quantize keys and values
@@ -178,6 +193,10 @@ class Method:
             if self.config.sink_tokens:
                 layer = SinkLayer(layer, self.config.sink_tokens, fp_dtype)
             layers.append(layer)
+        for layer in layers:
+            for part in (layer, getattr(layer, "inner", None)):
+                if isinstance(part, KVLayer):
+                    part.read_backend = self.config.backend
         return layers
 
     def label(self) -> str:

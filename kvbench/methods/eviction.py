@@ -66,7 +66,7 @@ class EvictionConfig(MethodConfig):
         require(
             self.sink_tokens == 0, "method.sink_tokens", self.sink_tokens, "0 (sinks are a policy's own knob)"
         )
-        check_choice("method.backend", self.backend, ("torch",))
+        check_choice("method.backend", self.backend, ("auto", "torch"))
         self.matched_method = None
         if self.matched_memory is not None:
             self.matched_method = build_matched(self.matched_memory)

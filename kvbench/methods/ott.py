@@ -136,7 +136,7 @@ class OTTLayer(KIVILayout):
             cfg.residual,
             cfg.zero_point,
             fp_dtype,
-            cfg.backend,
+            cfg.storage_backend(),
         )
         self.pool_size = 0 if layer_idx < cfg.skip_layers else cfg.pool_size
         self.extra_pool_size = cfg.extra_pool_size

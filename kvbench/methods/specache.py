@@ -102,10 +102,10 @@ class SpeCacheConfig(AffineKVConfig):
             "a token count >= 0 (0: no prefetch, the low-bit cache alone)",
         )
         require(
-            self.backend == "torch",
+            self.backend in ("auto", "torch"),
             "method.backend",
             self.backend,
-            "torch (specache attends through its own substitution path)",
+            "auto or torch (specache attends through its own substitution path)",
         )
         require(
             self.sink_tokens == 0,

@@ -65,8 +65,12 @@ class UniformLayer(CompositeLayer):
         levels = cfg.levels()
         zero_point = zero_point_for(cfg.zero_point, levels)
         self.group_size = cfg.group_size
-        self.kq = QuantizedTokens(levels, cfg.key_axis, cfg.group_size, zero_point, backend=cfg.backend)
-        self.vq = QuantizedTokens(levels, cfg.value_axis, cfg.group_size, zero_point, backend=cfg.backend)
+        self.kq = QuantizedTokens(
+            levels, cfg.key_axis, cfg.group_size, zero_point, backend=cfg.storage_backend()
+        )
+        self.vq = QuantizedTokens(
+            levels, cfg.value_axis, cfg.group_size, zero_point, backend=cfg.storage_backend()
+        )
         self.k_res, self.v_res = FullPrecisionTokens(fp_dtype), FullPrecisionTokens(fp_dtype)
 
     def _store(self, store: QuantizedTokens, pending: FullPrecisionTokens, x) -> None:

@@ -45,6 +45,15 @@ turns it into the codebook values it holds; TurboQuant's codes live in a rotated
 and its source rotates the query once per block (``q . Pi^T y = (Pi q) . y``) and the value mix back
 (``Pi^T sum_t p_t y_t``) instead of rotating every token.
 
+Decode steps take the single-call path (:func:`single_call_attention`) instead of the block loop:
+every stored part (a :class:`ConcatSource` is read part by part) answers ``scores`` over all its
+tokens in one call, the logits of every part and of the exact tokens get one softmax, and every part
+answers ``mix`` in one call, so the number of calls per layer does not grow with the context. It
+runs when the logits of all stored tokens fit :data:`SINGLE_CALL_BUDGET` (a decode step's few query
+rows), the block loop otherwise (prefill chunks over a long cache). The sources' own ``scores``/``mix``
+over the whole part are the reference; a ``reader`` (:class:`PartReader`, the compiled CPU kernels of
+:mod:`kvbench.kernels.cpu`) may answer a part instead, reading its bytes in place.
+
 Masks: ``attention_mask`` may be transformers' boolean (True: attend) or additive float mask of shape
 ``[B or 1, 1 or H_q, q, T + q]`` over the stored tokens followed by the current ones; when given, it
 replaces the built-in causal rule of the current tokens. Rows that see no token at all return 0.
@@ -64,6 +73,9 @@ from kvbench.quant.rope import cos_sin, rotate
 
 DEFAULT_BLOCK_SIZE = 1024
 BLOCK_SIZE_ENV = "KVBENCH_BLOCK_SIZE"
+# Most bytes of float32 logits the single-call path holds at once (all stored tokens x query rows x
+# kv heads); a decode step over 8K tokens of the default model needs 0.3 MB.
+SINGLE_CALL_BUDGET = 4 << 20
 
 
 @runtime_checkable
@@ -728,6 +740,120 @@ def blockwise_attention(
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
+class PartReader(Protocol):
+    """Answers whole-part ``scores``/``mix`` for the parts it covers (compiled kernels), None for the
+    others, which then run their torch reference."""
+
+    def scores(self, part: TokenSource, query: torch.Tensor) -> torch.Tensor | None: ...
+
+    def mix(self, part: TokenSource, weights: torch.Tensor) -> torch.Tensor | None: ...
+
+
+def source_parts(source: TokenSource) -> list[TokenSource]:
+    """The stored parts of a source in token order (a :class:`ConcatSource` flattened)."""
+    if isinstance(source, ConcatSource):
+        return [leaf for p in source.parts for leaf in source_parts(p)]
+    return [source]
+
+
+def part_scores(parts: list[TokenSource], query: torch.Tensor, reader: PartReader | None) -> torch.Tensor:
+    """``[B, H_kv, M, T]``: the logits of every part, one call each, concatenated along tokens."""
+    pieces = []
+    for part in parts:
+        out = reader.scores(part, query) if reader is not None else None
+        pieces.append(out if out is not None else part.scores(query, 0, part.num_tokens))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+
+
+def part_mix(parts: list[TokenSource], weights: torch.Tensor, reader: PartReader | None) -> torch.Tensor:
+    """``[B, H_kv, M, D]``: ``weights [B, H_kv, M, T]`` times the values of every part, summed."""
+    total, start = None, 0
+    for part in parts:
+        w = weights[..., start : start + part.num_tokens]
+        start += part.num_tokens
+        out = reader.mix(part, w) if reader is not None else None
+        if out is None:
+            out = part.mix(w, 0, part.num_tokens)
+        total = out if total is None else total.add_(out)
+    return total
+
+
+def fits_single_call(query: torch.Tensor, num_kv_heads: int, stored: int) -> bool:
+    """Whether the logits of ``query [B, H_q, q, D]`` over ``stored`` tokens fit the budget."""
+    b, hq, q, _ = query.shape
+    return b * hq * q * stored * 4 <= SINGLE_CALL_BUDGET
+
+
+def single_call_attention(
+    query: torch.Tensor,
+    keys: TokenSource,
+    values: TokenSource,
+    scaling: float,
+    exact_keys: torch.Tensor | None = None,
+    exact_values: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    observer: LogitObserver | None = None,
+    reader: PartReader | None = None,
+) -> torch.Tensor:
+    """:func:`blockwise_attention` (same arguments, same read rule, same result up to float
+    reassociation) with one ``scores`` and one ``mix`` call per stored part and one softmax over
+    all logits, stored and exact; ``reader`` may answer parts with compiled kernels. The observer
+    sees the stored logits as one block ``[0, T)``, then the exact ones."""
+    stored = keys.num_tokens
+    if values.num_tokens != stored:
+        raise ValueError(f"keys hold {stored} tokens but values hold {values.num_tokens}")
+    if (exact_keys is None) != (exact_values is None):
+        raise ValueError("exact_keys and exact_values must be given together")
+    b, hq, q, d = query.shape
+    hkv = keys.num_heads
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    n_rep = hq // hkv
+    rows = n_rep * q
+    qf = (query.float() * scaling).reshape(b, hkv, rows, d)  # rows ordered (rep, position)
+    mask = _as_additive(_mask_rows(attention_mask, hkv, n_rep)) if attention_mask is not None else None
+    if positions is not None:
+        if tuple(positions.shape) != (b, hkv, stored):
+            raise ValueError(
+                f"positions must be [B, H_kv, T] = {(b, hkv, stored)}, got {tuple(positions.shape)}"
+            )
+    key_parts, value_parts = source_parts(keys), source_parts(values)
+    logits = part_scores(key_parts, qf, reader)
+    if positions is not None:
+        logits = logits + _positional_mask(positions.long(), mask, rows)
+    elif mask is not None:
+        logits = logits + mask[..., :stored]
+    if observer is not None:
+        observer.block(0, stored, logits)
+    every = [logits]
+    if exact_keys is not None:
+        exact = torch.matmul(qf, exact_keys.float().transpose(-1, -2))  # [B, H_kv, rows, q]
+        if mask is not None:
+            exact = exact + mask[..., mask.shape[-1] - exact_keys.shape[-2] :]
+        elif exact_keys.shape[-2] > 1:
+            t = exact_keys.shape[-2]
+            own = torch.arange(rows, device=query.device) % q + (t - q)  # query i is exact token t-q+i
+            hidden = torch.arange(t, device=query.device)[None, :] > own[:, None]
+            exact = exact.masked_fill(hidden, -math.inf)
+        if observer is not None:
+            observer.block(stored, stored + exact_keys.shape[-2], exact)
+        every.append(exact)
+    every = every[0] if len(every) == 1 else torch.cat(every, dim=-1)
+    m = every.amax(dim=-1, keepdim=True)
+    # a row that sees no token keeps reference 0, so exp() gives 0, not NaN
+    ref = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(every - ref)
+    l = p.sum(dim=-1, keepdim=True)  # noqa: E741
+    if observer is not None:
+        observer.done(m, l)
+    out = part_mix(value_parts, p[..., :stored], reader)
+    if exact_keys is not None:
+        out = out.add_(torch.matmul(p[..., stored:], exact_values.float()))
+    out = out / torch.where(l > 0, l, torch.ones_like(l))
+    return out.reshape(b, hq, q, d).transpose(1, 2).contiguous().to(query.dtype)
+
+
 def configured_block_size() -> int:
     """Stored tokens per attention block: ``KVBENCH_BLOCK_SIZE`` from the environment, else 1024.
     A ConfigError naming the variable when it is not a positive integer; a run checks it up front
@@ -747,13 +873,37 @@ def blockwise_attention_forward(
     exact_values: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     observer: LogitObserver | None = None,
+    reader: PartReader | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """:func:`blockwise_attention` in the shape of transformers' attention functions: returns
     ``(attn_output [B, q, H_q, D], None)`` so that a layer's ``attend`` can return it directly.
-    ``block_size`` defaults to ``KVBENCH_BLOCK_SIZE`` from the environment, else 1024."""
+    ``block_size`` defaults to ``KVBENCH_BLOCK_SIZE`` from the environment, else 1024. When the
+    logits of all stored tokens fit :data:`SINGLE_CALL_BUDGET` (decode steps) and no block size is
+    asked for (neither the argument nor ``KVBENCH_BLOCK_SIZE``), :func:`single_call_attention`
+    runs instead, with ``reader``'s kernels."""
     if scaling is None:
         scaling = module.scaling
+    if (
+        block_size is None
+        and not os.environ.get(BLOCK_SIZE_ENV)
+        and keys is not None
+        and keys.num_tokens
+        and fits_single_call(query, keys.num_heads, keys.num_tokens)
+    ):
+        out = single_call_attention(
+            query,
+            keys,
+            values,
+            scaling,
+            exact_keys,
+            exact_values,
+            attention_mask,
+            positions,
+            observer,
+            reader,
+        )
+        return out, None
     if block_size is None:
         block_size = configured_block_size()
     out = blockwise_attention(

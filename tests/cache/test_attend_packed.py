@@ -4,7 +4,8 @@ attends its stored tokens blockwise.
 The reference (kept here, not in the hot path): reconstruct the whole stored cache with the layer's
 ``read()`` *before* the forward's tokens are appended, concatenate the new tokens, and run
 transformers' SDPA with the causal rule of the new tokens (or the given mask). The layer under test
-attends the sources it took in ``update()`` block by block (:mod:`kvbench.quant.blockwise`), so
+attends the sources it took in ``update()`` block by block (:mod:`kvbench.quant.blockwise`), or,
+without a block size, decode steps in one call per stored part through the compiled CPU kernels, so
 the two differ by float32 reassociation only: the bound is 2e-5 absolute/relative on attention
 outputs of unit-scale inputs.
 
@@ -68,9 +69,14 @@ def reference(past, new_k, new_v, query, mask):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("prefill", [5, 150])
-@pytest.mark.parametrize("block_size", [7, 48, 4096])
+@pytest.mark.parametrize("block_size", [7, 48, 4096, None])
 def test_attention_over_packed_storage_equals_the_rebuild_reference(case, prefill, block_size, monkeypatch):
-    monkeypatch.setenv("KVBENCH_BLOCK_SIZE", str(block_size))
+    # None: no block size asked for, so decode steps take the single-call path through the
+    # compiled CPU kernels (backend auto), the rest of the forwards the block loop
+    if block_size is None:
+        monkeypatch.delenv("KVBENCH_BLOCK_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("KVBENCH_BLOCK_SIZE", str(block_size))
     torch.manual_seed(0)
     method = build_method(node_of(case))
     method.config.check_model(SHAPE)

@@ -1,0 +1,705 @@
+// Decode-attention reads of kvbench's stored formats on the CPU: one call over a whole stored part.
+//
+// Every kernel walks the tokens of one (batch, kv head) in chunks, turns each stored row into
+// D float32 values in a small buffer that stays in L1 (upcast fp16 rows; unpack codes through a
+// 256-entry byte table, then the affine or codebook map, then an optional RoPE rotation) and
+// immediately uses it for all M query rows of that kv head (the GQA group times the new tokens),
+// so every stored byte is read once and no dequantized copy of the part exists.
+//
+//   scores: out[b, h, m, t] = sum_d q[b, h, m, d] x[b, h, t, d]
+//   mix:    out[b, h, m, d] = sum_t p[b, h, m, t] x[b, h, t, d]
+//
+// The layouts are kvbench.quant.packing's (chunks of c codes in m bytes, little endian, code i the
+// i-th base-L digit) and the parameter tensors are read through their strides, so the views of
+// kvbench's doubling buffers are read in place. kvbench/quant/sources/ holds the plain-torch
+// reference every kernel here is tested against (tests/kernels/test_cpu_kernels.py).
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVB_AVX2 1
+#endif
+
+namespace {
+
+// Tokens per task: enough work to amortise a task, small enough to split 1K tokens over threads.
+constexpr int64_t kChunk = 256;
+// Tokens decoded before their dot products run: independent work for the FMA units.
+constexpr int kSlots = 4;
+
+inline float half_bits_to_float(uint16_t h) {
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+inline float bf16_bits_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// n values of a float tensor starting at `base`, `stride` elements apart, as float32.
+void load_floats(const void* base, at::ScalarType type, int64_t stride, int64_t n, float* out) {
+  if (type == at::kFloat) {
+    const float* src = static_cast<const float*>(base);
+    if (stride == 1) {
+      std::memcpy(out, src, n * sizeof(float));
+    } else {
+      for (int64_t i = 0; i < n; ++i) out[i] = src[i * stride];
+    }
+    return;
+  }
+  const uint16_t* src = static_cast<const uint16_t*>(base);
+  if (type == at::kHalf) {
+    int64_t i = 0;
+#ifdef KVB_AVX2
+    if (stride == 1) {
+      for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+      }
+    }
+#endif
+    for (; i < n; ++i) out[i] = half_bits_to_float(src[i * stride]);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits_to_float(src[i * stride]);
+}
+
+// out[m * out_stride] = q[m, :] . x for the M rows of q [M, D].
+inline void dot_rows(const float* q, int64_t M, int64_t D, const float* x, float* out,
+                     int64_t out_stride) {
+  int64_t m = 0;
+#ifdef KVB_AVX2
+  if (D % 8 == 0) {
+    // up to four independent FMA chains, one per query row, sharing every load of x
+    for (; m + 4 <= M; m += 4) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      const float* q0 = q + m * D;
+      for (int64_t d = 0; d < D; d += 8) {
+        __m256 xv = _mm256_loadu_ps(x + d);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), xv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + D + d), xv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * D + d), xv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * D + d), xv, a3);
+      }
+      __m256 acc[4] = {a0, a1, a2, a3};
+      for (int j = 0; j < 4; ++j) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
+        s = _mm_hadd_ps(s, s);
+        s = _mm_hadd_ps(s, s);
+        out[(m + j) * out_stride] = _mm_cvtss_f32(s);
+      }
+    }
+    for (; m < M; ++m) {
+      __m256 a = _mm256_setzero_ps();
+      const float* qm = q + m * D;
+      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qm + d), _mm256_loadu_ps(x + d), a);
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      s = _mm_hadd_ps(s, s);
+      s = _mm_hadd_ps(s, s);
+      out[m * out_stride] = _mm_cvtss_f32(s);
+    }
+    return;
+  }
+#endif
+  for (; m < M; ++m) {
+    const float* qm = q + m * D;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < D; ++d) s += qm[d] * x[d];
+    out[m * out_stride] = s;
+  }
+}
+
+// acc[m, :] += w[m * w_stride] * x for the M rows of acc [M, D].
+inline void axpy_rows(const float* w, int64_t w_stride, int64_t M, int64_t D, const float* x,
+                      float* acc) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float wm = w[m * w_stride];
+    float* am = acc + m * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) am[d] += wm * x[d];
+  }
+}
+
+#ifdef KVB_AVX2
+// The four lane sums of a0..a3, in order, as one vector.
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  __m256 s01 = _mm256_hadd_ps(a0, a1);
+  __m256 s23 = _mm256_hadd_ps(a2, a3);
+  __m256 s = _mm256_hadd_ps(s01, s23);
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+#endif
+
+// Four tokens at once: out[m * out_stride + j] = q[m, :] . x_j. Each query row keeps four
+// independent FMA chains (one per token), which hides the FMA latency a single dot would expose,
+// and one horizontal reduction serves four scores.
+inline void dot_rows4(const float* q, int64_t M, int64_t D, const float* const* x, float* out,
+                      int64_t out_stride) {
+#ifdef KVB_AVX2
+  if (D % 8 == 0) {
+    for (int64_t m = 0; m < M; ++m) {
+      const float* qm = q + m * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; d += 8) {
+        __m256 qv = _mm256_loadu_ps(qm + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(x[0] + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(x[1] + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(x[2] + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(x[3] + d), a3);
+      }
+      _mm_storeu_ps(out + m * out_stride, hsum4(a0, a1, a2, a3));
+    }
+    return;
+  }
+#endif
+  for (int j = 0; j < 4; ++j) dot_rows(q, M, D, x[j], out + j, out_stride);
+}
+
+// Four tokens at once: acc[m, :] += sum_j w[m * w_stride + j] x_j (one load and store of the
+// accumulator per four tokens).
+inline void axpy_rows4(const float* w, int64_t w_stride, int64_t M, int64_t D, const float* const* x,
+                       float* acc) {
+#ifdef KVB_AVX2
+  if (D % 8 == 0) {
+    for (int64_t m = 0; m < M; ++m) {
+      const float* wm = w + m * w_stride;
+      const __m256 w0 = _mm256_set1_ps(wm[0]), w1 = _mm256_set1_ps(wm[1]);
+      const __m256 w2 = _mm256_set1_ps(wm[2]), w3 = _mm256_set1_ps(wm[3]);
+      float* am = acc + m * D;
+      for (int64_t d = 0; d < D; d += 8) {
+        __m256 a = _mm256_loadu_ps(am + d);
+        a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[0] + d), a);
+        a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[1] + d), a);
+        a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x[2] + d), a);
+        a = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x[3] + d), a);
+        _mm256_storeu_ps(am + d, a);
+      }
+    }
+    return;
+  }
+#endif
+  for (int j = 0; j < 4; ++j) axpy_rows(w + j, w_stride, M, D, x[j], acc);
+}
+
+// A 4-d tensor read through its strides, with broadcast (size-1) axes read at stride 0.
+struct View4 {
+  const char* data = nullptr;
+  at::ScalarType type = at::kFloat;
+  int64_t item = 4;
+  int64_t sb = 0, sh = 0, st = 0, sd = 0;
+  int64_t rows = 0, cols = 0;  // sizes of the token and channel axes
+
+  View4() = default;
+  explicit View4(const at::Tensor& x) {
+    TORCH_CHECK(x.dim() == 4, "expected a 4-d tensor");
+    data = static_cast<const char*>(x.data_ptr());
+    type = x.scalar_type();
+    item = x.element_size();
+    sb = x.size(0) == 1 ? 0 : x.stride(0);
+    sh = x.size(1) == 1 ? 0 : x.stride(1);
+    st = x.size(2) == 1 ? 0 : x.stride(2);
+    sd = x.size(3) == 1 ? 0 : x.stride(3);
+    rows = x.size(2);
+    cols = x.size(3);
+  }
+  const void* at(int64_t b, int64_t h, int64_t r, int64_t c) const {
+    return data + (b * sb + h * sh + r * st + c * sd) * item;
+  }
+  bool valid() const { return data != nullptr; }
+};
+
+// A per-token or per-group parameter (scale or zero) expanded to D channels, reloaded only when
+// the token moves to another parameter row (G tokens share a row for per-channel statistics).
+struct Param {
+  View4 view;
+  int64_t tokens_per_row = 1;  // 0: one row for every token
+  int64_t channels_per_value = 1;
+  int64_t b = 0, h = 0, row = -1;
+  std::vector<float> packed, full;
+
+  Param(const View4& v, int64_t tokens_per_row_, int64_t head_dim)
+      : view(v), tokens_per_row(tokens_per_row_) {
+    if (view.valid()) {
+      channels_per_value = head_dim / view.cols;
+      packed.resize(view.cols);
+      full.resize(head_dim);
+    }
+  }
+  void bind(int64_t b_, int64_t h_) {
+    b = b_;
+    h = h_;
+    row = -1;
+  }
+  const float* get(int64_t t) {
+    const int64_t r = tokens_per_row == 0 ? 0 : t / tokens_per_row;
+    if (r != row) {
+      row = r;
+      const int64_t n = view.cols;
+      load_floats(view.at(b, h, r, 0), view.type, view.sd, n, packed.data());
+      if (channels_per_value == 1) {
+        std::copy(packed.begin(), packed.end(), full.begin());
+      } else {
+        for (int64_t j = 0; j < n; ++j)
+          std::fill_n(full.begin() + j * channels_per_value, channels_per_value, packed[j]);
+      }
+    }
+    return full.data();
+  }
+};
+
+// One stored row of codes -> D float32 values (table[code] * scale + zero, then RoPE).
+struct CodeRows {
+  View4 codes;
+  int64_t levels, head_dim, chunk_codes, chunk_bytes, bits;
+  const std::vector<float>* lut;    // [256 * chunk_codes] byte -> table values (one-byte chunks)
+  const std::vector<float>* table;  // [levels] (multi-byte chunks)
+  Param scale, zero;
+  // RoPE after the map: x'[d] = x[d] cos[p, d] + sign(d) x[d +- D/2] sin[p, d], p = offset + t
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  int64_t rope_offset = 0;
+  // four row buffers of each kind, one per token of a tile (kSlots rows in flight)
+  std::vector<float> raw, out, turned;
+  int64_t raw_stride = 0;
+  int64_t b = 0, h = 0;
+
+  CodeRows(const View4& codes_, int64_t levels_, int64_t head_dim_, int64_t chunk_codes_,
+           int64_t chunk_bytes_, const std::vector<float>* lut_, const std::vector<float>* table_,
+           const Param& scale_, const Param& zero_)
+      : codes(codes_), levels(levels_), head_dim(head_dim_), chunk_codes(chunk_codes_),
+        chunk_bytes(chunk_bytes_), lut(lut_), table(table_), scale(scale_), zero(zero_) {
+    bits = (levels & (levels - 1)) == 0 ? __builtin_ctzll(levels) : 0;
+    const int64_t chunks = codes.cols / chunk_bytes;
+    raw_stride = std::max<int64_t>(chunks * chunk_codes, head_dim) + 8;
+    raw.resize(kSlots * raw_stride);
+    out.resize(kSlots * head_dim);
+    turned.resize(kSlots * head_dim);
+  }
+  void bind(int64_t b_, int64_t h_) {
+    b = b_;
+    h = h_;
+    scale.bind(b_, h_);
+    zero.bind(b_, h_);
+  }
+
+  template <int C>
+  void unpack_bytes(const uint8_t* row, int64_t nbytes, float* dst) {
+    const float* l = lut->data();
+    for (int64_t j = 0; j < nbytes; ++j) std::memcpy(dst + j * C, l + row[j] * C, C * sizeof(float));
+  }
+
+  const float* operator()(int64_t t, int slot) {
+    const uint8_t* row = static_cast<const uint8_t*>(codes.at(b, h, t, 0));
+    float* dst = raw.data() + slot * raw_stride;
+    const int64_t nbytes = codes.cols;
+    if (chunk_bytes == 1) {
+      switch (chunk_codes) {
+        case 1: unpack_bytes<1>(row, nbytes, dst); break;
+        case 2: unpack_bytes<2>(row, nbytes, dst); break;
+        case 3: unpack_bytes<3>(row, nbytes, dst); break;
+        case 4: unpack_bytes<4>(row, nbytes, dst); break;
+        case 5: unpack_bytes<5>(row, nbytes, dst); break;
+        case 8: unpack_bytes<8>(row, nbytes, dst); break;
+        default: TORCH_CHECK(false, "unsupported chunk of ", chunk_codes, " codes per byte");
+      }
+    } else {
+      // chunks of several bytes (L = 8, 32, 64, 128): a little-endian word of at most 7 bytes
+      const int64_t chunks = nbytes / chunk_bytes;
+      const uint64_t mask = static_cast<uint64_t>(levels - 1);
+      const float* tab = table->data();
+      for (int64_t j = 0; j < chunks; ++j) {
+        uint64_t word = 0;
+        for (int64_t k = 0; k < chunk_bytes; ++k)
+          word |= static_cast<uint64_t>(row[j * chunk_bytes + k]) << (8 * k);
+        for (int64_t i = 0; i < chunk_codes; ++i)
+          dst[j * chunk_codes + i] = tab[(word >> (bits * i)) & mask];
+      }
+    }
+    const int64_t D = head_dim;
+    float* x = dst;
+    float* o = out.data() + slot * D;
+    if (scale.view.valid() && zero.view.valid()) {
+      const float* s = scale.get(t);
+      const float* z = zero.get(t);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] = x[d] * s[d] + z[d];
+      x = o;
+    } else if (scale.view.valid()) {
+      const float* s = scale.get(t);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] = x[d] * s[d];
+      x = o;
+    } else if (zero.view.valid()) {
+      const float* z = zero.get(t);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] = x[d] + z[d];
+      x = o;
+    }
+    if (cos != nullptr) {
+      const int64_t half = D / 2;
+      const float* c = cos + (rope_offset + t) * D;
+      const float* s = sin + (rope_offset + t) * D;
+      float* r = turned.data() + slot * D;
+      for (int64_t d = 0; d < half; ++d) r[d] = x[d] * c[d] - x[d + half] * s[d];
+      for (int64_t d = half; d < D; ++d) r[d] = x[d] * c[d] + x[d - half] * s[d];
+      x = r;
+    }
+    return x;
+  }
+};
+
+// Full-precision rows (fp16, bf16 or fp32) -> float32.
+struct FloatRows {
+  View4 data;
+  int64_t head_dim;
+  std::vector<float> out;
+  int64_t b = 0, h = 0;
+
+  FloatRows(const View4& data_, int64_t head_dim_) : data(data_), head_dim(head_dim_) {
+    out.resize(kSlots * head_dim);
+  }
+  void bind(int64_t b_, int64_t h_) {
+    b = b_;
+    h = h_;
+  }
+  const float* operator()(int64_t t, int slot) {
+    if (data.type == at::kFloat && data.sd == 1) return static_cast<const float*>(data.at(b, h, t, 0));
+    float* o = out.data() + slot * head_dim;
+    load_floats(data.at(b, h, t, 0), data.type, data.sd, head_dim, o);
+    return o;
+  }
+};
+
+at::Tensor check_rows(const at::Tensor& x, const char* name, int64_t B, int64_t H) {
+  TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(x.dim() == 4 && x.size(0) == B && x.size(1) == H, name, " must be [B, H_kv, ., .]");
+  return x.to(at::kFloat).contiguous();
+}
+
+// scores [B, H, M, T] of query [B, H, M, D] over T rows made by `make` (a copy per task).
+template <class Rows>
+at::Tensor run_scores(const at::Tensor& query, int64_t T, const Rows& proto) {
+  const int64_t B = query.size(0), H = query.size(1), M = query.size(2), D = query.size(3);
+  auto q = query.contiguous();
+  auto out = at::empty({B, H, M, T}, query.options());
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t chunks = (T + kChunk - 1) / kChunk;
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
+    Rows rows = proto;
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t bh = w / chunks, c = w % chunks;
+      rows.bind(bh / H, bh % H);
+      const float* qb = qp + bh * M * D;
+      float* ob = op + bh * M * T;
+      const int64_t t1 = std::min(T, (c + 1) * kChunk);
+      int64_t t = c * kChunk;
+      for (; t + kSlots <= t1; t += kSlots) {
+        const float* x[kSlots] = {rows(t, 0), rows(t + 1, 1), rows(t + 2, 2), rows(t + 3, 3)};
+        dot_rows4(qb, M, D, x, ob + t, T);
+      }
+      for (; t < t1; ++t) dot_rows(qb, M, D, rows(t, 0), ob + t, T);
+    }
+  });
+  return out;
+}
+
+// mix [B, H, M, D] of weights [B, H, M, T] over T rows: partial sums per task, then their sum.
+template <class Rows>
+at::Tensor run_mix(const at::Tensor& weights, int64_t D, const Rows& proto) {
+  const int64_t B = weights.size(0), H = weights.size(1), M = weights.size(2), T = weights.size(3);
+  auto p = weights.contiguous();
+  const int64_t chunks = std::max<int64_t>(1, (T + kChunk - 1) / kChunk);
+  auto partial = at::zeros({B * H, chunks, M, D}, weights.options());
+  const float* pp = p.data_ptr<float>();
+  float* part = partial.data_ptr<float>();
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
+    Rows rows = proto;
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t bh = w / chunks, c = w % chunks;
+      rows.bind(bh / H, bh % H);
+      const float* pb = pp + bh * M * T;
+      float* acc = part + w * M * D;
+      const int64_t t1 = std::min(T, (c + 1) * kChunk);
+      int64_t t = c * kChunk;
+      for (; t + kSlots <= t1; t += kSlots) {
+        const float* x[kSlots] = {rows(t, 0), rows(t + 1, 1), rows(t + 2, 2), rows(t + 3, 3)};
+        axpy_rows4(pb + t, T, M, D, x, acc);
+      }
+      for (; t < t1; ++t) axpy_rows(pb + t, T, M, D, rows(t, 0), acc);
+    }
+  });
+  return partial.sum(1).view({B, H, M, D});
+}
+
+struct CodeTables {
+  std::vector<float> lut, table;
+};
+
+CodeTables make_tables(const at::Tensor& table, int64_t levels, int64_t chunk_codes,
+                       int64_t chunk_bytes) {
+  auto tab = table.to(at::kFloat).contiguous();
+  TORCH_CHECK(tab.numel() == levels, "table must hold one value per level");
+  CodeTables t;
+  t.table.assign(tab.data_ptr<float>(), tab.data_ptr<float>() + levels);
+  if (chunk_bytes == 1) {
+    t.lut.resize(256 * chunk_codes);
+    for (int64_t byte = 0; byte < 256; ++byte) {
+      int64_t rest = byte;
+      for (int64_t i = 0; i < chunk_codes; ++i) {
+        t.lut[byte * chunk_codes + i] = t.table[rest % levels];
+        rest /= levels;
+      }
+    }
+  }
+  return t;
+}
+
+struct CodeArgs {
+  at::Tensor codes, table;
+  c10::optional<at::Tensor> scale, zero;
+  int64_t levels, head_dim, chunk_codes, chunk_bytes, scale_rows, zero_rows;
+  c10::optional<at::Tensor> cos, sin;
+  int64_t rope_offset;
+};
+
+template <class F>
+at::Tensor with_code_rows(const CodeArgs& a, int64_t B, int64_t H, F&& body) {
+  TORCH_CHECK(a.codes.scalar_type() == at::kByte && a.codes.dim() == 4, "codes must be uint8 4-d");
+  TORCH_CHECK(a.codes.size(0) == B && a.codes.size(1) == H, "codes must be [B, H_kv, T, bytes]");
+  TORCH_CHECK(a.codes.stride(3) == 1, "codes must be contiguous along their bytes");
+  TORCH_CHECK(a.codes.size(3) % a.chunk_bytes == 0, "codes hold a whole number of chunks");
+  CodeTables tables = make_tables(a.table, a.levels, a.chunk_codes, a.chunk_bytes);
+  View4 sv = a.scale ? View4(*a.scale) : View4();
+  View4 zv = a.zero ? View4(*a.zero) : View4();
+  CodeRows rows(View4(a.codes), a.levels, a.head_dim, a.chunk_codes, a.chunk_bytes, &tables.lut,
+                &tables.table, Param(sv, a.scale_rows, a.head_dim), Param(zv, a.zero_rows, a.head_dim));
+  at::Tensor cos, sin;
+  if (a.cos) {
+    cos = a.cos->to(at::kFloat).contiguous();
+    sin = a.sin->to(at::kFloat).contiguous();
+    TORCH_CHECK(cos.size(0) >= a.rope_offset + a.codes.size(2), "the RoPE table is too short");
+    rows.cos = cos.data_ptr<float>();
+    rows.sin = sin.data_ptr<float>();
+    rows.rope_offset = a.rope_offset;
+  }
+  return body(rows);
+}
+
+
+// The codes of a part as their level values, no affine map: the folded kernels below apply the
+// scale and zero to the small side (the query or the weights) instead of to every code.
+CodeRows raw_code_rows(const at::Tensor& codes, int64_t levels, int64_t head_dim, int64_t chunk_codes,
+                       int64_t chunk_bytes, const CodeTables& tables) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
+              "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
+  TORCH_CHECK(codes.size(3) % chunk_bytes == 0, "codes hold a whole number of chunks");
+  return CodeRows(View4(codes), levels, head_dim, chunk_codes, chunk_bytes, &tables.lut, &tables.table,
+                  Param(View4(), 0, head_dim), Param(View4(), 0, head_dim));
+}
+
+at::Tensor identity_table(int64_t levels) { return at::arange(levels, at::TensorOptions().dtype(at::kFloat)); }
+
+}  // namespace
+
+// Per-channel affine keys (KIVI's): x[t, d] = c[t, d] s[t / G, d] + z[t / G, d], so
+// q . x_t = (q * s_g) . c_t + q . z_g: the query is scaled once per group of G tokens and the codes
+// enter the dot product as they are.
+at::Tensor affine_channel_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& scale,
+                                 const at::Tensor& zero, int64_t levels, int64_t head_dim,
+                                 int64_t chunk_codes, int64_t chunk_bytes, int64_t group) {
+  const int64_t B = query.size(0), H = query.size(1), M = query.size(2), D = head_dim, T = codes.size(2);
+  TORCH_CHECK(query.size(3) == D && group > 0, "query must be [B, H_kv, M, head_dim]");
+  auto q = check_rows(query, "query", B, H);
+  CodeTables tables = make_tables(identity_table(levels), levels, chunk_codes, chunk_bytes);
+  const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
+  const View4 sv(scale), zv(zero);
+  TORCH_CHECK(sv.cols == D && sv.rows * group >= T, "scale must be [B, H_kv, T / G, D]");
+  auto out = at::empty({B, H, M, T}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t chunks = (T + kChunk - 1) / kChunk;
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
+    CodeRows rows = proto;
+    std::vector<float> qs(M * D), qz(M), sr(D), zr(D);
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
+      rows.bind(b, h);
+      const float* qb = qp + bh * M * D;
+      float* ob = op + bh * M * T;
+      const int64_t t1 = std::min(T, (c + 1) * kChunk);
+      int64_t g = -1;
+      for (int64_t t = c * kChunk; t < t1;) {
+        if (t / group != g) {
+          g = t / group;
+          load_floats(sv.at(b, h, g, 0), sv.type, sv.sd, D, sr.data());
+          load_floats(zv.at(b, h, g, 0), zv.type, zv.sd, D, zr.data());
+          for (int64_t m = 0; m < M; ++m) {
+            float acc = 0.f;
+            for (int64_t d = 0; d < D; ++d) {
+              qs[m * D + d] = qb[m * D + d] * sr[d];
+              acc += qb[m * D + d] * zr[d];
+            }
+            qz[m] = acc;
+          }
+        }
+        const int64_t stop = std::min(t1, (g + 1) * group);
+        for (; t + kSlots <= stop; t += kSlots) {
+          const float* x[kSlots] = {rows(t, 0), rows(t + 1, 1), rows(t + 2, 2), rows(t + 3, 3)};
+          dot_rows4(qs.data(), M, D, x, ob + t, T);
+        }
+        for (; t < stop; ++t) dot_rows(qs.data(), M, D, rows(t, 0), ob + t, T);
+        // the zero term of the group's tokens in this chunk
+        const int64_t first = std::max(c * kChunk, g * group);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t u = first; u < stop; ++u) ob[m * T + u] += qz[m];
+      }
+    }
+  });
+  return out;
+}
+
+// Per-token affine values (KIVI's): x[t, d] = c[t, d] s[t, d / G] + z[t, d / G], so
+// sum_t p_t x_t = sum_t (p_t s_t,g) c_t + sum_t p_t z_t,g: the weights are scaled per token and
+// channel group, and the zero term is one number per (row, group).
+at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& scale,
+                            const at::Tensor& zero, int64_t levels, int64_t head_dim, int64_t chunk_codes,
+                            int64_t chunk_bytes, int64_t group) {
+  const int64_t B = weights.size(0), H = weights.size(1), M = weights.size(2), T = weights.size(3);
+  const int64_t D = head_dim;
+  TORCH_CHECK(codes.size(2) == T, "weights and codes disagree on T");
+  TORCH_CHECK(group > 0 && D % group == 0, "group must divide head_dim");
+  const int64_t ng = D / group;
+  auto p = check_rows(weights, "weights", B, H);
+  CodeTables tables = make_tables(identity_table(levels), levels, chunk_codes, chunk_bytes);
+  const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
+  const View4 sv(scale), zv(zero);
+  TORCH_CHECK(sv.cols == ng && zv.cols == ng, "scale and zero must be [B, H_kv, T, D / G]");
+  const int64_t chunks = std::max<int64_t>(1, (T + kChunk - 1) / kChunk);
+  auto partial = at::zeros({B * H, chunks, M, D}, p.options());
+  const float* pp = p.data_ptr<float>();
+  float* part = partial.data_ptr<float>();
+  const bool vec = group % 8 == 0;
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
+    CodeRows rows = proto;
+    // the chunk's scales and zeros as float32 [kChunk, ng], and the scaled weights p_t s_t,g
+    std::vector<float> sc(kChunk * ng), zc(kChunk * ng), wsc(M * kChunk * ng);
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
+      rows.bind(b, h);
+      const float* pb = pp + bh * M * T;
+      float* acc = part + w * M * D;
+      const int64_t t0 = c * kChunk, t1 = std::min(T, (c + 1) * kChunk), n = t1 - t0;
+      if (n <= 0) continue;
+      for (int64_t u = 0; u < n; ++u) {
+        load_floats(sv.at(b, h, t0 + u, 0), sv.type, sv.sd, ng, sc.data() + u * ng);
+        load_floats(zv.at(b, h, t0 + u, 0), zv.type, zv.sd, ng, zc.data() + u * ng);
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t gi = 0; gi < ng; ++gi) {
+          float zsum = 0.f;
+          for (int64_t u = 0; u < n; ++u) {
+            const float pm = pb[m * T + t0 + u];
+            wsc[(m * ng + gi) * kChunk + u] = pm * sc[u * ng + gi];
+            zsum += pm * zc[u * ng + gi];
+          }
+          for (int64_t d = gi * group; d < (gi + 1) * group; ++d) acc[m * D + d] += zsum;
+        }
+      }
+      int64_t u = 0;
+      for (; u < n;) {
+        const int k = u + kSlots <= n ? kSlots : 1;
+        const float* x[kSlots];
+        for (int j = 0; j < k; ++j) x[j] = rows(t0 + u + j, j);
+        for (int64_t m = 0; m < M; ++m) {
+          float* am = acc + m * D;
+          for (int64_t gi = 0; gi < ng; ++gi) {
+            const float* wg = wsc.data() + (m * ng + gi) * kChunk + u;
+            const int64_t d0 = gi * group, d1 = d0 + group;
+#ifdef KVB_AVX2
+            if (vec && k == kSlots) {
+              const __m256 w0 = _mm256_set1_ps(wg[0]), w1 = _mm256_set1_ps(wg[1]);
+              const __m256 w2 = _mm256_set1_ps(wg[2]), w3 = _mm256_set1_ps(wg[3]);
+              for (int64_t d = d0; d < d1; d += 8) {
+                __m256 a = _mm256_loadu_ps(am + d);
+                a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[0] + d), a);
+                a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[1] + d), a);
+                a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x[2] + d), a);
+                a = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x[3] + d), a);
+                _mm256_storeu_ps(am + d, a);
+              }
+              continue;
+            }
+#endif
+            for (int j = 0; j < k; ++j) {
+              const float wj = wg[j];
+              const float* xj = x[j];
+#pragma omp simd
+              for (int64_t d = d0; d < d1; ++d) am[d] += wj * xj[d];
+            }
+          }
+        }
+        u += k;
+      }
+    }
+  });
+  return partial.sum(1).view({B, H, M, D});
+}
+
+at::Tensor fp_scores(const at::Tensor& query, const at::Tensor& keys) {
+  const int64_t B = query.size(0), H = query.size(1), D = query.size(3);
+  TORCH_CHECK(keys.size(3) == D && keys.stride(3) == 1, "keys must be [B, H_kv, T, D], D contiguous");
+  auto q = check_rows(query, "query", B, H);
+  return run_scores(q, keys.size(2), FloatRows(View4(keys), D));
+}
+
+at::Tensor fp_mix(const at::Tensor& weights, const at::Tensor& values) {
+  const int64_t B = weights.size(0), H = weights.size(1);
+  TORCH_CHECK(values.size(2) == weights.size(3), "weights and values disagree on T");
+  auto p = check_rows(weights, "weights", B, H);
+  return run_mix(p, values.size(3), FloatRows(View4(values), values.size(3)));
+}
+
+at::Tensor code_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& table,
+                       const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+                       int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes,
+                       int64_t scale_rows, int64_t zero_rows, const c10::optional<at::Tensor>& cos,
+                       const c10::optional<at::Tensor>& sin, int64_t rope_offset) {
+  const int64_t B = query.size(0), H = query.size(1);
+  TORCH_CHECK(query.size(3) == head_dim, "query must be [B, H_kv, M, head_dim]");
+  auto q = check_rows(query, "query", B, H);
+  CodeArgs a{codes, table, scale, zero, levels, head_dim, chunk_codes, chunk_bytes,
+             scale_rows, zero_rows, cos, sin, rope_offset};
+  return with_code_rows(a, B, H, [&](const CodeRows& rows) { return run_scores(q, codes.size(2), rows); });
+}
+
+at::Tensor code_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& table,
+                    const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+                    int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes,
+                    int64_t scale_rows, int64_t zero_rows) {
+  const int64_t B = weights.size(0), H = weights.size(1);
+  TORCH_CHECK(codes.size(2) == weights.size(3), "weights and codes disagree on T");
+  auto p = check_rows(weights, "weights", B, H);
+  CodeArgs a{codes, table, scale, zero, levels, head_dim, chunk_codes, chunk_bytes,
+             scale_rows, zero_rows, c10::nullopt, c10::nullopt, 0};
+  return with_code_rows(a, B, H, [&](const CodeRows& rows) { return run_mix(p, head_dim, rows); });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fp_scores", &fp_scores, "query [B,H,M,D] . full-precision keys [B,H,T,D] -> [B,H,M,T]");
+  m.def("fp_mix", &fp_mix, "weights [B,H,M,T] x full-precision values [B,H,T,D] -> [B,H,M,D]");
+  m.def("code_scores", &code_scores, "query . packed codes through table/scale/zero/RoPE");
+  m.def("code_mix", &code_mix, "weights x packed codes through table/scale/zero");
+  m.def("affine_channel_scores", &affine_channel_scores, "query . per-channel affine codes (folded)");
+  m.def("affine_token_mix", &affine_token_mix, "weights x per-token affine codes (folded)");
+}

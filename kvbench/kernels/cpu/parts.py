@@ -1,0 +1,218 @@
+"""Which compiled kernel answers each stored part, and the few torch ops around it.
+
+:class:`CompiledReader` is the :class:`~kvbench.quant.blockwise.PartReader` of the compiled CPU
+backend. Covered (everything on the CPU, float32 queries):
+
+- full-precision rows in fp16, bf16 or fp32 (:class:`FullPrecisionSource`): read in place, no upcast
+  copy;
+- affine codes at any level count (:class:`PerChannelAffineSource`, :class:`PerTokenAffineSource`):
+  KIVI's per-channel keys and per-token values through the folded kernels, the other two axis
+  combinations through the generic code kernel;
+- codebook codes (:class:`CodebookSource`: KVQuant's nuq, TurboQuant's Lloyd-Max) with per-token or
+  fixed scale and zero, a per-head rotation (the query is rotated before the scores and the mix
+  after, two small matmuls) and dense-and-sparse outliers when there is no rotation (the kernel
+  reads the dense codes, then one scatter-add per call puts back ``q . (exact - reconstructed)``
+  at the outlier entries);
+- pre-RoPE keys over codebook codes (:class:`RoPESource`, KVQuant): the kernel rotates every
+  decoded row to its position from the layer's cos/sin table, outliers corrected the same way.
+
+Anything else returns None and runs its torch reference; which backends ran is recorded
+(:func:`~kvbench.kernels.cpu.note_backend`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.kernels.cpu import cpu_kernels, note_backend
+from kvbench.quant.blockwise import (
+    CodebookSource,
+    FullPrecisionSource,
+    PerChannelAffineSource,
+    PerTokenAffineSource,
+    RoPESource,
+    TokenSource,
+)
+from kvbench.quant.packing import chunk_layout, unpack
+
+_IDENTITY: dict[int, torch.Tensor] = {}
+
+
+def _identity(levels: int) -> torch.Tensor:
+    if levels not in _IDENTITY:
+        _IDENTITY[levels] = torch.arange(levels, dtype=torch.float32)
+    return _IDENTITY[levels]
+
+
+def _param_rows(x: torch.Tensor | None, tokens: int) -> int:
+    """Tokens per parameter row of a codebook scale/zero: 0 for one fixed row, else 1."""
+    return 0 if x is None or x.shape[-2] == 1 and tokens != 1 else 1
+
+
+def _on_cpu(*xs) -> bool:
+    return all(x is None or x.device.type == "cpu" for x in xs)
+
+
+class CompiledReader:
+    """Whole-part scores and mixes through the compiled kernels ``module``."""
+
+    def __init__(self, module):
+        self.k = module
+
+    # -- scores ---------------------------------------------------------------------------------
+    def scores(self, part: TokenSource, query: torch.Tensor) -> torch.Tensor | None:
+        out = self._scores(part, query) if _on_cpu(query) else None
+        note_backend("torch" if out is None else "compiled")
+        return out
+
+    def _scores(self, part, query):
+        k = self.k
+        if type(part) is FullPrecisionSource and _on_cpu(part.data):
+            return k.fp_scores(query, part.data)
+        if type(part) is PerChannelAffineSource and _on_cpu(part.codes):
+            c, m = chunk_layout(part.levels)
+            return k.affine_channel_scores(
+                query, part.codes, part.scale, part.zero, part.levels, part.head_dim, c, m, part.group_size
+            )
+        if type(part) is PerTokenAffineSource and _on_cpu(part.codes):
+            c, m = chunk_layout(part.levels)
+            ident = _identity(part.levels)
+            return k.code_scores(
+                query, part.codes, ident, part.scale, part.zero, part.levels, part.head_dim, c, m, 1, 1,
+                None, None, 0,
+            )  # fmt: skip
+        if type(part) is CodebookSource and _on_cpu(part.codes):
+            if part.outliers is not None and part.rotation is not None:
+                return None
+            q = query if part.rotation is None else torch.matmul(query, part.rotation.transpose(-1, -2))
+            out = self._codebook_scores(part, q, None)
+            return out if part.outliers is None else _correct_scores(out, part, query, None)
+        if type(part) is RoPESource and type(part.inner) is CodebookSource and part.table is not None:
+            inner = part.inner
+            if inner.rotation is not None or not _on_cpu(inner.codes):
+                return None
+            out = self._codebook_scores(inner, query, part)
+            return out if inner.outliers is None else _correct_scores(out, inner, query, part)
+        return None
+
+    def _codebook_scores(self, part: CodebookSource, query, rope: RoPESource | None):
+        c, m = chunk_layout(part.levels)
+        t = part.num_tokens
+        cos = sin = None
+        offset = 0
+        if rope is not None:
+            cos, sin = rope.table
+            offset = rope.first_position
+        return self.k.code_scores(
+            query, part.codes, part.table, part.scale, part.zero, part.levels, part.head_dim, c, m,
+            _param_rows(part.scale, t), _param_rows(part.zero, t), cos, sin, offset,
+        )  # fmt: skip
+
+    # -- mix ------------------------------------------------------------------------------------
+    def mix(self, part: TokenSource, weights: torch.Tensor) -> torch.Tensor | None:
+        out = self._mix(part, weights) if _on_cpu(weights) else None
+        note_backend("torch" if out is None else "compiled")
+        return out
+
+    def _mix(self, part, weights):
+        k = self.k
+        if type(part) is FullPrecisionSource and _on_cpu(part.data):
+            return k.fp_mix(weights, part.data)
+        if type(part) is PerTokenAffineSource and _on_cpu(part.codes):
+            c, m = chunk_layout(part.levels)
+            return k.affine_token_mix(
+                weights, part.codes, part.scale, part.zero, part.levels, part.head_dim, c, m, part.group_size
+            )
+        if type(part) is PerChannelAffineSource and _on_cpu(part.codes):
+            c, m = chunk_layout(part.levels)
+            g = part.group_size
+            return k.code_mix(
+                weights, part.codes, _identity(part.levels), part.scale, part.zero, part.levels,
+                part.head_dim, c, m, g, g,
+            )  # fmt: skip
+        if type(part) is CodebookSource and _on_cpu(part.codes):
+            if part.outliers is not None and part.rotation is not None:
+                return None
+            c, m = chunk_layout(part.levels)
+            t = part.num_tokens
+            out = k.code_mix(
+                weights, part.codes, part.table, part.scale, part.zero, part.levels, part.head_dim, c, m,
+                _param_rows(part.scale, t), _param_rows(part.zero, t),
+            )  # fmt: skip
+            if part.rotation is not None:
+                out = torch.matmul(out, part.rotation)
+            return out if part.outliers is None else _correct_mix(out, part, weights)
+        return None
+
+
+def _outlier_deltas(part: CodebookSource):
+    """``(bh, row, d, delta)`` of every outlier: its flat (batch, head) index, token, channel and
+    exact value minus what the dense codes reconstruct there."""
+    rows, cols, vals = part.outliers
+    b, h, t, nbytes = part.codes.shape
+    d_all = part.head_dim
+    cols = cols.long()
+    bh, d = cols // d_all, cols % d_all
+    row = rows.long()
+    c, m = chunk_layout(part.levels)
+    flat = part.codes.reshape(b * h, t, nbytes) if part.codes.is_contiguous() else None
+    if m == 1:
+        byte = (
+            part.codes[bh // h, bh % h, row, d // c].long() if flat is None else flat[bh, row, d // c].long()
+        )
+        code = torch.div(byte, part.levels ** (d % c), rounding_mode="floor") % part.levels
+    else:
+        packed = part.codes[bh // h, bh % h, row]
+        code = unpack(packed, part.levels, d_all).gather(-1, d[:, None])[:, 0].long()
+    recon = part.table[code]
+    for p in (part.scale, part.zero):
+        if p is None:
+            continue
+        full = p.expand(b, h, t, d_all)
+        value = full[bh // h, bh % h, row, d].float()
+        recon = recon * value if p is part.scale else recon + value
+    return bh, row, d, vals.float() - recon
+
+
+def _correct_scores(out, part: CodebookSource, query, rope: RoPESource | None):
+    """Add ``q . (exact - reconstructed)`` at every outlier (rotated to its position with RoPE)."""
+    bh, row, d, delta = _outlier_deltas(part)
+    b, h, mrows, t = out.shape
+    q = query.reshape(b * h, mrows, -1)
+    view = out.view(b * h, mrows, t).transpose(1, 2)  # [BH, T, M]
+    if rope is None:
+        view.index_put_((bh, row), q[bh, :, d] * delta[:, None], accumulate=True)
+        return out
+    cos, sin = rope.table
+    pos = row + rope.first_position
+    half = part.head_dim // 2
+    partner = torch.where(d < half, d + half, d - half)
+    sign = torch.where(d < half, 1.0, -1.0)
+    # RoPE of delta * e_d: delta cos at d, and +-delta sin at the partner channel
+    term = q[bh, :, d] * (delta * cos[pos, d])[:, None]
+    term = term + q[bh, :, partner] * (sign * delta * sin[pos, partner])[:, None]
+    view.index_put_((bh, row), term, accumulate=True)
+    return out
+
+
+def _correct_mix(out, part: CodebookSource, weights):
+    """Add ``p_t (exact - reconstructed)`` at every outlier."""
+    bh, row, d, delta = _outlier_deltas(part)
+    b, h, mrows, t = weights.shape
+    p = weights.reshape(b * h, mrows, t)
+    view = out.view(b * h, mrows, -1).transpose(1, 2)  # [BH, D, M]
+    view.index_put_((bh, d), p[bh, :, row] * delta[:, None], accumulate=True)
+    return out
+
+
+def read_kernels(backend: str, device: torch.device | str | None) -> CompiledReader | None:
+    """The reader a layer's decode reads go through: the compiled kernels for ``backend="auto"`` on
+    the CPU when they built, else None (the torch reference; triton's fused path is the layout's)."""
+    if backend != "auto" or (device is not None and torch.device(device).type != "cpu"):
+        note_backend("torch" if backend != "triton" else "triton")
+        return None
+    module = cpu_kernels()
+    if module is None:
+        note_backend("torch")
+        return None
+    return CompiledReader(module)

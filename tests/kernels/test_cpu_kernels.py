@@ -1,0 +1,279 @@
+"""The compiled CPU kernels (:mod:`kvbench.kernels.cpu`) equal the plain-torch reference of every
+stored format they cover, and a decode step reads each stored part in one call.
+
+Tolerance: float32 reassociation only, ``|kernel - reference| <= 2e-5 * max|reference|`` (the
+kernels sum in another order and fold the affine parameters into the query or the weights). Every
+failure message names the case and its seed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.kernels import cpu
+from kvbench.kernels.cpu.parts import CompiledReader, read_kernels
+from kvbench.quant.blockwise import (
+    CodebookSource,
+    ConcatSource,
+    FullPrecisionSource,
+    PerChannelAffineSource,
+    PerTokenAffineSource,
+    RoPESource,
+    single_call_attention,
+)
+from kvbench.quant.packing import pack
+from kvbench.quant.rope import cos_sin
+
+LEVELS = [2, 3, 4, 5, 6, 7, 8, 16, 17, 32, 64, 128, 256]
+
+
+@pytest.fixture(scope="module")
+def reader():
+    module = cpu.cpu_kernels()
+    if module is None:
+        pytest.skip(f"the compiled CPU kernels did not build here: {cpu._state['error']}")
+    return CompiledReader(module)
+
+
+def close(got, want, where):
+    assert got is not None, f"{where}: no kernel answered"
+    assert got.shape == want.shape, f"{where}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got - want).abs().max().item()
+    bound = 2e-5 * max(want.abs().max().item(), 1e-6)
+    assert err <= bound, f"{where}: max error {err:.3g} > {bound:.3g}"
+
+
+def both(reader, part, query, weights, where):
+    t = part.num_tokens
+    close(reader.scores(part, query), part.scores(query, 0, t), f"{where} scores")
+    close(reader.mix(part, weights), part.mix(weights, 0, t), f"{where} mix")
+
+
+def inputs(seed, b, h, m, t, d):
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(b, h, m, d, generator=g)
+    weights = torch.rand(b, h, m, t, generator=g)
+    return g, query, weights
+
+
+def random_codes(g, levels, b, h, t, d):
+    codes = torch.randint(0, levels, (b, h, t, d), generator=g, dtype=torch.int64).to(torch.uint8)
+    return pack(codes, levels)
+
+
+def grown_view(x, extra=5):
+    """``x`` as the view of a larger buffer along tokens, as the doubling buffers hand it out."""
+    b, h, t, d = x.shape
+    buf = torch.zeros(b, h, t + extra, d, dtype=x.dtype)
+    buf[:, :, :t] = x
+    return buf[:, :, :t]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128, 20])
+def test_full_precision_rows(reader, dtype, d):
+    for seed, (m, t) in enumerate([(1, 1), (3, 203), (4, 1030)]):
+        g, q, p = inputs(seed, 2, 3, m, t, d)
+        data = grown_view(torch.randn(2, 3, t, d, generator=g).to(dtype))
+        both(reader, FullPrecisionSource(data), q, p, f"fp {dtype} d={d} m={m} t={t} seed={seed}")
+
+
+@pytest.mark.parametrize("levels", LEVELS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_per_channel_affine_codes(reader, levels, d):
+    for seed, (m, group, groups, dtype) in enumerate(
+        [(3, 32, 7, torch.float16), (1, 8, 33, torch.float32), (4, 5, 61, torch.float16)]
+    ):
+        t = group * groups
+        g, q, p = inputs(seed, 1, 3, m, t, d)
+        codes = grown_view(random_codes(g, levels, 1, 3, t, d))
+        scale = grown_view((torch.rand(1, 3, groups, d, generator=g) + 0.1).to(dtype))
+        zero = grown_view(torch.randn(1, 3, groups, d, generator=g).to(dtype))
+        part = PerChannelAffineSource(codes, scale, zero, levels, group, d)
+        both(reader, part, q, p, f"per-channel L={levels} d={d} m={m} G={group} t={t} seed={seed}")
+
+
+@pytest.mark.parametrize("levels", LEVELS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_per_token_affine_codes(reader, levels, d):
+    for seed, (m, group, t, dtype) in enumerate(
+        [
+            (3, 32, 203, torch.float16),
+            (1, 16, 1, torch.float32),
+            (4, d, 517, torch.float16),
+            (3, 4, 77, torch.bfloat16),
+        ]
+    ):
+        g, q, p = inputs(seed, 2, 1, m, t, d)
+        codes = grown_view(random_codes(g, levels, 2, 1, t, d))
+        scale = grown_view((torch.rand(2, 1, t, d // group, generator=g) + 0.1).to(dtype))
+        zero = grown_view(torch.randn(2, 1, t, d // group, generator=g).to(dtype))
+        part = PerTokenAffineSource(codes, scale, zero, levels, group, d)
+        both(reader, part, q, p, f"per-token L={levels} d={d} m={m} G={group} t={t} seed={seed}")
+
+
+def outliers(g, b, h, t, d, count):
+    """``count`` distinct entries, token index ascending (the dense-and-sparse store's order)."""
+    flat = torch.randperm(t * b * h * d, generator=g)[:count].sort().values
+    rows, cols = flat // (b * h * d), flat % (b * h * d)
+    return rows.to(torch.int32), cols.to(torch.int32), torch.randn(count, generator=g).half() * 8
+
+
+@pytest.mark.parametrize("levels", [2, 3, 4, 8, 16, 32])
+def test_codebook_codes(reader, levels):
+    b, h, d = 1, 3, 64
+    for seed, (kind, m, t) in enumerate(
+        [("token-scale", 3, 203), ("fixed-range", 1, 150), ("rotated", 4, 99), ("outliers", 3, 301)]
+    ):
+        g, q, p = inputs(seed, b, h, m, t, d)
+        codes = grown_view(random_codes(g, levels, b, h, t, d))
+        codebook = torch.randn(levels, generator=g).sort().values
+        kw = {}
+        if kind == "token-scale":
+            kw["scale"] = grown_view(torch.rand(b, h, t, 1, generator=g).half() + 0.5)
+        if kind in ("fixed-range", "outliers"):
+            kw["scale"] = torch.rand(1, h, 1, d, generator=g) + 0.5
+            kw["zero"] = torch.randn(1, h, 1, d, generator=g)
+        if kind == "outliers":
+            kw["scale"] = torch.rand(b, h, t, 1, generator=g).half() + 0.5
+            kw["outliers"] = outliers(g, b, h, t, d, 40)
+        if kind == "rotated":
+            kw["scale"] = torch.rand(b, h, t, 1, generator=g).half() + 0.5
+            kw["rotation"] = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0]
+        part = CodebookSource(codes, levels, d, codebook, **kw)
+        both(reader, part, q, p, f"codebook {kind} L={levels} m={m} t={t} seed={seed}")
+
+
+@pytest.mark.parametrize("with_outliers", [False, True])
+def test_pre_rope_codebook_keys(reader, with_outliers):
+    b, h, d, t, m, levels = 1, 2, 64, 177, 3, 8
+    g, q, p = inputs(11, b, h, m, t, d)
+    codes = random_codes(g, levels, b, h, t, d)
+    kw = {"scale": torch.rand(1, h, 1, d, generator=g) + 0.5, "zero": torch.randn(1, h, 1, d, generator=g)}
+    if with_outliers:
+        kw["outliers"] = outliers(g, b, h, t, d, 30)
+    inner = CodebookSource(codes, levels, d, torch.randn(levels, generator=g).sort().values, **kw)
+    first = 9
+    table = cos_sin(torch.arange(first + t + 4), d, 10000.0)
+    part = RoPESource(inner, None, first_position=first, table=table)
+    close(reader.scores(part, q), part.scores(q, 0, t), f"pre-RoPE keys outliers={with_outliers} seed=11")
+    assert reader.mix(part, p) is None  # pre-RoPE values do not exist; the reference would answer
+
+
+def test_single_call_attention_equals_the_blockwise_reference(reader):
+    """Whole decode attention over a sink | body | window cache, masks and positions included."""
+    from kvbench.quant.blockwise import blockwise_attention
+
+    g = torch.Generator().manual_seed(5)
+    b, h, d, n_rep, levels, group = 1, 3, 64, 3, 4, 32
+    body = 10 * group
+    sink = FullPrecisionSource(torch.randn(b, h, 4, d, generator=g).half())
+    kq = PerChannelAffineSource(
+        random_codes(g, levels, b, h, body, d),
+        torch.rand(b, h, body // group, d, generator=g).half() + 0.1,
+        torch.randn(b, h, body // group, d, generator=g).half(),
+        levels,
+        group,
+        d,
+    )
+    vq = PerTokenAffineSource(
+        random_codes(g, levels, b, h, body, d),
+        torch.rand(b, h, body, d // group, generator=g).half() + 0.1,
+        torch.randn(b, h, body, d // group, generator=g).half(),
+        levels,
+        group,
+        d,
+    )
+    window_k = FullPrecisionSource(torch.randn(b, h, 37, d, generator=g).half())
+    window_v = FullPrecisionSource(torch.randn(b, h, 37, d, generator=g).half())
+    keys, values = ConcatSource([sink, kq, window_k]), ConcatSource([sink, vq, window_v])
+    t = keys.num_tokens
+    for q_len in (1, 2):
+        query = torch.randn(b, h * n_rep, q_len, d, generator=g)
+        ek, ev = torch.randn(2, b, h, q_len, d, generator=g).unbind(0)
+        mask = torch.ones(b, 1, q_len, t + q_len, dtype=torch.bool).tril(t)
+        mask[..., 7] = False
+        positions = torch.arange(t).flip(0).expand(b, h, t).clone()
+        positions[:, 1, 3] = -1
+        for kw in ({}, {"attention_mask": mask}, {"positions": positions, "attention_mask": mask}):
+            want = blockwise_attention(query, keys, values, 0.125, 100, ek, ev, **kw)
+            for r in (None, reader):
+                got = single_call_attention(query, keys, values, 0.125, ek, ev, reader=r, **kw)
+                where = f"q={q_len} {sorted(kw)} reader={type(r).__name__} seed=5"
+                close(got, want, where)
+
+
+def test_a_decode_step_is_a_fixed_number_of_part_calls(reader, monkeypatch):
+    """The calls per step do not grow with the context: one scores and one mix per stored part,
+    whether the body holds 320 tokens or 8,000, and the block loop never runs."""
+    import kvbench.quant.blockwise as blockwise
+
+    monkeypatch.setattr(blockwise, "block_ranges", lambda *a, **k: pytest.fail("the block loop ran"))
+    counts = []
+    for body in (320, 8000):
+        g = torch.Generator().manual_seed(body)
+        d, levels = 64, 4
+        kq = PerChannelAffineSource(
+            random_codes(g, levels, 1, 3, body, d),
+            torch.rand(1, 3, body // 32, d, generator=g).half(),
+            torch.randn(1, 3, body // 32, d, generator=g).half(),
+            levels,
+            32,
+            d,
+        )
+        window = FullPrecisionSource(torch.randn(1, 3, 100, d, generator=g).half())
+        vq = FullPrecisionSource(torch.randn(1, 3, body, d, generator=g).half())
+        calls: list[str] = []
+
+        class Counting:
+            def __init__(self, seen):
+                self.seen = seen
+
+            def scores(self, part, query):
+                self.seen.append("scores")
+                return reader.scores(part, query)
+
+            def mix(self, part, weights):
+                self.seen.append("mix")
+                return reader.mix(part, weights)
+
+        query = torch.randn(1, 9, 1, d, generator=g)
+        blockwise.blockwise_attention_forward(
+            None, query, ConcatSource([kq, window]), ConcatSource([vq, window]), scaling=0.125,
+            exact_keys=torch.randn(1, 3, 1, d), exact_values=torch.randn(1, 3, 1, d), reader=Counting(calls),
+        )  # fmt: skip
+        counts.append(len(calls))
+    assert counts == [4, 4]
+
+
+def test_a_failed_build_warns_once_and_the_reference_runs(monkeypatch, capsys):
+    def broken():
+        raise RuntimeError("Error building extension 'kvbench_cpu_attention'\ng++: not found")
+
+    saved = dict(cpu._state)
+    monkeypatch.setattr(cpu, "_build", broken)
+    cpu.reset_for_tests()
+    try:
+        assert read_kernels("auto", "cpu") is None
+        assert read_kernels("auto", "cpu") is None  # no second attempt, no second warning
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("kvbench: warning: the compiled CPU kernels are unavailable")
+        assert "Traceback" not in lines[0] and "torch reference" in lines[0]
+        assert cpu.backend_in_use() == "torch"
+    finally:
+        cpu._state.update(saved)
+
+
+def test_auto_hashes_as_torch():
+    """The stored bytes do not depend on who reads them, so runs made before ``auto`` keep their id;
+    triton stays a separate run."""
+    from kvbench.results import run_id
+
+    base = {"task": {"name": "niah"}, "bits": 2, "seed": 0}
+    ids = {
+        backend: run_id({**base, "method": {"name": "kivi", "bits": 2, "backend": backend}})
+        for backend in ("auto", "torch", "triton")
+    }
+    assert ids["auto"] == ids["torch"] != ids["triton"]
