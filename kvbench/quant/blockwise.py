@@ -62,6 +62,7 @@ replaces the built-in causal rule of the current tokens. Rows that see no token 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
