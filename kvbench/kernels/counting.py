@@ -133,12 +133,11 @@ def _site() -> str:
 
 
 def _short(path: str) -> str:
+    """``path`` from its innermost known folder on: a checkout may itself be named ``kvbench``
+    (``/src/kvbench/tests/x.py`` is ``tests/x.py``, ``/src/kvbench/kvbench/y.py`` is ``kvbench/y.py``)."""
     parts = Path(path).parts
-    for anchor in ("kvbench", "transformers", "scripts", "tests"):
-        if anchor in parts:
-            i = len(parts) - 1 - parts[::-1].index(anchor)
-            return "/".join(parts[i:])
-    return path
+    anchors = [i for i, part in enumerate(parts) if part in ("kvbench", "transformers", "scripts", "tests")]
+    return "/".join(parts[anchors[-1] :]) if anchors else path
 
 
 class _DispatchCounter(TorchDispatchMode):
