@@ -647,6 +647,23 @@ class LogitObserver:
         pass
 
 
+def _exact_logits(
+    qf: torch.Tensor, exact_keys: torch.Tensor, mask: torch.Tensor | None, q: int
+) -> torch.Tensor:
+    """Logits ``[B, H_kv, rows, t]`` of the scaled query rows ``qf`` over this forward's own ``t``
+    tokens: the mask's last ``t`` columns when given, else causal among the ``q`` queries (query i
+    is exact token ``t - q + i``)."""
+    logits = torch.matmul(qf, exact_keys.float().transpose(-1, -2))
+    t = exact_keys.shape[-2]
+    if mask is not None:
+        return logits + mask[..., mask.shape[-1] - t :]
+    if t > 1:
+        own = torch.arange(qf.shape[-2], device=qf.device) % q + (t - q)
+        hidden = torch.arange(t, device=qf.device)[None, :] > own[:, None]
+        logits = logits.masked_fill(hidden, -math.inf)
+    return logits
+
+
 def blockwise_attention(
     query: torch.Tensor,
     keys: TokenSource | None,
@@ -723,14 +740,7 @@ def blockwise_attention(
             p = state.weights(logits)
             state.add(values.mix(p, start, stop))
     if exact_keys is not None:
-        logits = torch.matmul(qf, exact_keys.float().transpose(-1, -2))  # [B, H_kv, rows, q]
-        if attention_mask is not None:
-            logits = logits + mask[..., mask.shape[-1] - exact_keys.shape[-2] :]
-        elif exact_keys.shape[-2] > 1:
-            t = exact_keys.shape[-2]
-            own = torch.arange(rows, device=query.device) % q + (t - q)  # query i is exact token t-q+i
-            hidden = torch.arange(t, device=query.device)[None, :] > own[:, None]
-            logits = logits.masked_fill(hidden, -math.inf)
+        logits = _exact_logits(qf, exact_keys, mask if attention_mask is not None else None, q)
         if observer is not None:
             observer.block(stored, stored + exact_keys.shape[-2], logits)
         p = state.weights(logits)
@@ -829,14 +839,7 @@ def single_call_attention(
         observer.block(0, stored, logits)
     every = [logits]
     if exact_keys is not None:
-        exact = torch.matmul(qf, exact_keys.float().transpose(-1, -2))  # [B, H_kv, rows, q]
-        if mask is not None:
-            exact = exact + mask[..., mask.shape[-1] - exact_keys.shape[-2] :]
-        elif exact_keys.shape[-2] > 1:
-            t = exact_keys.shape[-2]
-            own = torch.arange(rows, device=query.device) % q + (t - q)  # query i is exact token t-q+i
-            hidden = torch.arange(t, device=query.device)[None, :] > own[:, None]
-            exact = exact.masked_fill(hidden, -math.inf)
+        exact = _exact_logits(qf, exact_keys, mask, q)
         if observer is not None:
             observer.block(stored, stored + exact_keys.shape[-2], exact)
         every.append(exact)
