@@ -380,6 +380,85 @@ struct FloatRows {
   }
 };
 
+// Codes of b = 1, 2, 4 or 8 bits (8 / b per byte) unpacked by vector shifts, 8 bytes at a time:
+// the 8 bytes are widened to 8 lanes and shift s keeps bits [b s, b s + b) of each, so output
+// vector (j, s) holds, in lane l, code (8 j + l) (8 / b) + s. That order is a permutation of the
+// row's channels within each 64 / b of them (:func:`shift_order`); the folded kernels apply it to
+// the query or the accumulator once instead of shuffling every row, so a row costs a load, one
+// widening and per 8 codes a shift, a mask and a conversion.
+struct ShiftRows {
+  View4 codes;
+  int bits = 2;
+  int64_t nbytes = 0, head_dim = 0;
+  std::vector<float> out;
+  int64_t b = 0, h = 0;
+
+  ShiftRows(const View4& codes_, int bits_, int64_t head_dim_)
+      : codes(codes_), bits(bits_), nbytes(head_dim_ * bits_ / 8), head_dim(head_dim_) {
+    out.resize(kSlots * head_dim + 8);
+  }
+  void bind(int64_t b_, int64_t h_) {
+    b = b_;
+    h = h_;
+  }
+#ifdef KVB_AVX2
+  template <int BITS>
+  void unpack(const uint8_t* row, float* dst) const {
+    constexpr int per = 8 / BITS;
+    const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+    for (int64_t j = 0; j < nbytes; j += 8) {
+      const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j)));
+      float* o = dst + j * per;
+      if constexpr (BITS == 8) {
+        _mm256_storeu_ps(o, _mm256_cvtepi32_ps(x));
+      } else {
+        for (int s = 0; s < per; ++s)
+          _mm256_storeu_ps(o + 8 * s, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(x, BITS * s), mask)));
+      }
+    }
+  }
+#endif
+  const float* operator()(int64_t t, int slot) {
+    const uint8_t* row = static_cast<const uint8_t*>(codes.at(b, h, t, 0));
+    float* dst = out.data() + slot * head_dim;
+#ifdef KVB_AVX2
+    switch (bits) {
+      case 1: unpack<1>(row, dst); break;
+      case 2: unpack<2>(row, dst); break;
+      case 4: unpack<4>(row, dst); break;
+      default: unpack<8>(row, dst); break;
+    }
+#endif
+    return dst;
+  }
+};
+
+// Whether the shift unpacking serves these codes: b in {1, 2, 4, 8} (one code never straddles a
+// byte), whole 8-byte groups per row, and a vector unit to run it.
+bool shift_unpackable(int64_t levels, int64_t head_dim, int64_t chunk_bytes) {
+#ifdef KVB_AVX2
+  if (chunk_bytes != 1 || (levels & (levels - 1)) != 0) return false;
+  const int bits = __builtin_ctzll(levels);
+  return (bits == 1 || bits == 2 || bits == 4 || bits == 8) && (head_dim * bits) % 64 == 0;
+#else
+  (void)levels;
+  (void)head_dim;
+  (void)chunk_bytes;
+  return false;
+#endif
+}
+
+// pos[d]: where channel d lands in a ShiftRows row (lane l of vector (j, s) holds channel
+// (8 j + l) (8 / b) + s, and that vector starts at position 8 (j (8 / b) + s)).
+std::vector<int64_t> shift_order(int bits, int64_t head_dim) {
+  const int64_t per = 8 / bits;
+  std::vector<int64_t> pos(head_dim);
+  for (int64_t j = 0; j < head_dim / (8 * per); ++j)
+    for (int64_t s = 0; s < per; ++s)
+      for (int64_t l = 0; l < 8; ++l) pos[(8 * j + l) * per + s] = 8 * (j * per + s) + l;
+  return pos;
+}
+
 at::Tensor check_rows(const at::Tensor& x, const char* name, int64_t B, int64_t H) {
   TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(x.dim() == 4 && x.size(0) == B && x.size(1) == H, name, " must be [B, H_kv, ., .]");
@@ -514,29 +593,31 @@ at::Tensor identity_table(int64_t levels) { return at::arange(levels, at::Tensor
 
 // Per-channel affine keys (KIVI's): x[t, d] = c[t, d] s[t / G, d] + z[t / G, d], so
 // q . x_t = (q * s_g) . c_t + q . z_g: the query is scaled once per group of G tokens and the codes
-// enter the dot product as they are.
-at::Tensor affine_channel_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& scale,
-                                 const at::Tensor& zero, int64_t levels, int64_t head_dim,
-                                 int64_t chunk_codes, int64_t chunk_bytes, int64_t group) {
-  const int64_t B = query.size(0), H = query.size(1), M = query.size(2), D = head_dim, T = codes.size(2);
-  TORCH_CHECK(query.size(3) == D && group > 0, "query must be [B, H_kv, M, head_dim]");
-  auto q = check_rows(query, "query", B, H);
-  CodeTables tables = make_tables(identity_table(levels), levels, chunk_codes, chunk_bytes);
-  const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
-  const View4 sv(scale), zv(zero);
-  TORCH_CHECK(sv.cols == D && sv.rows * group >= T, "scale must be [B, H_kv, T / G, D]");
+// enter the dot product as they are. `pos` places channel d where the row decoder puts it.
+template <class Rows>
+at::Tensor channel_scores(const at::Tensor& q, const Rows& proto, const std::vector<int64_t>& pos,
+                          const View4& sv, const View4& zv, int64_t T, int64_t group) {
+  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3);
   auto out = at::empty({B, H, M, T}, q.options());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t chunks = (T + kChunk - 1) / kChunk;
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    CodeRows rows = proto;
-    std::vector<float> qs(M * D), qz(M), sr(D), zr(D);
+    Rows rows = proto;
+    // the query in the decoder's channel order, the group's scale row in that order and the
+    // scaled query; the zero term is a plain dot product (its order does not matter)
+    std::vector<float> qperm(M * D), qs(M * D), qz(M), sr(D), srp(D), zr(D);
+    int64_t bound = -1;
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
       rows.bind(b, h);
       const float* qb = qp + bh * M * D;
       float* ob = op + bh * M * T;
+      if (bh != bound) {
+        bound = bh;
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t d = 0; d < D; ++d) qperm[m * D + pos[d]] = qb[m * D + d];
+      }
       const int64_t t1 = std::min(T, (c + 1) * kChunk);
       int64_t g = -1;
       for (int64_t t = c * kChunk; t < t1;) {
@@ -544,12 +625,16 @@ at::Tensor affine_channel_scores(const at::Tensor& query, const at::Tensor& code
           g = t / group;
           load_floats(sv.at(b, h, g, 0), sv.type, sv.sd, D, sr.data());
           load_floats(zv.at(b, h, g, 0), zv.type, zv.sd, D, zr.data());
+          for (int64_t d = 0; d < D; ++d) srp[pos[d]] = sr[d];
           for (int64_t m = 0; m < M; ++m) {
+            const float* qm = qb + m * D;
+            const float* qpm = qperm.data() + m * D;
+            float* qsm = qs.data() + m * D;
             float acc = 0.f;
-            for (int64_t d = 0; d < D; ++d) {
-              qs[m * D + d] = qb[m * D + d] * sr[d];
-              acc += qb[m * D + d] * zr[d];
-            }
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) qsm[d] = qpm[d] * srp[d];
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < D; ++d) acc += qm[d] * zr[d];
             qz[m] = acc;
           }
         }
@@ -569,41 +654,66 @@ at::Tensor affine_channel_scores(const at::Tensor& query, const at::Tensor& code
   return out;
 }
 
-// Per-token affine values (KIVI's): x[t, d] = c[t, d] s[t, d / G] + z[t, d / G], so
-// sum_t p_t x_t = sum_t (p_t s_t,g) c_t + sum_t p_t z_t,g: the weights are scaled per token and
-// channel group, and the zero term is one number per (row, group).
-at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& scale,
-                            const at::Tensor& zero, int64_t levels, int64_t head_dim, int64_t chunk_codes,
-                            int64_t chunk_bytes, int64_t group) {
-  const int64_t B = weights.size(0), H = weights.size(1), M = weights.size(2), T = weights.size(3);
-  const int64_t D = head_dim;
-  TORCH_CHECK(codes.size(2) == T, "weights and codes disagree on T");
-  TORCH_CHECK(group > 0 && D % group == 0, "group must divide head_dim");
-  const int64_t ng = D / group;
-  auto p = check_rows(weights, "weights", B, H);
+std::vector<int64_t> identity_order(int64_t head_dim) {
+  std::vector<int64_t> pos(head_dim);
+  for (int64_t d = 0; d < head_dim; ++d) pos[d] = d;
+  return pos;
+}
+
+at::Tensor affine_channel_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& scale,
+                                 const at::Tensor& zero, int64_t levels, int64_t head_dim,
+                                 int64_t chunk_codes, int64_t chunk_bytes, int64_t group) {
+  const int64_t B = query.size(0), H = query.size(1), D = head_dim, T = codes.size(2);
+  TORCH_CHECK(query.size(3) == D && group > 0, "query must be [B, H_kv, M, head_dim]");
+  auto q = check_rows(query, "query", B, H);
+  const View4 sv(scale), zv(zero);
+  TORCH_CHECK(sv.cols == D && sv.rows * group >= T, "scale must be [B, H_kv, T / G, D]");
+  if (shift_unpackable(levels, D, chunk_bytes)) {
+    TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
+                "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
+    const int bits = __builtin_ctzll(levels);
+    return channel_scores(q, ShiftRows(View4(codes), bits, D), shift_order(bits, D), sv, zv, T, group);
+  }
   CodeTables tables = make_tables(identity_table(levels), levels, chunk_codes, chunk_bytes);
   const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
-  const View4 sv(scale), zv(zero);
-  TORCH_CHECK(sv.cols == ng && zv.cols == ng, "scale and zero must be [B, H_kv, T, D / G]");
+  return channel_scores(q, proto, identity_order(D), sv, zv, T, group);
+}
+
+// Per-token affine values (KIVI's): x[t, d] = c[t, d] s[t, d / G] + z[t, d / G], so
+// sum_t p_t x_t = sum_t (p_t s_t,g) c_t + sum_t p_t z_t,g: the weights are scaled per token and
+// channel group, and the zero term is one number per (row, group). The accumulator is kept in the
+// row decoder's channel order (`pos`; a permutation within each group) and put back in order once
+// per task.
+template <class Rows>
+at::Tensor token_mix(const at::Tensor& p, const Rows& proto, const std::vector<int64_t>& pos,
+                     const View4& sv, const View4& zv, int64_t D, int64_t group) {
+  const int64_t B = p.size(0), H = p.size(1), M = p.size(2), T = p.size(3);
+  const int64_t ng = D / group;
   const int64_t chunks = std::max<int64_t>(1, (T + kChunk - 1) / kChunk);
   auto partial = at::zeros({B * H, chunks, M, D}, p.options());
   const float* pp = p.data_ptr<float>();
   float* part = partial.data_ptr<float>();
   const bool vec = group % 8 == 0;
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    CodeRows rows = proto;
+    Rows rows = proto;
     // the chunk's scales and zeros as float32 [kChunk, ng], and the scaled weights p_t s_t,g
-    std::vector<float> sc(kChunk * ng), zc(kChunk * ng), wsc(M * kChunk * ng);
+    std::vector<float> sc(kChunk * ng), zc(kChunk * ng), wsc(M * kChunk * ng), accp(M * D);
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
       rows.bind(b, h);
       const float* pb = pp + bh * M * T;
-      float* acc = part + w * M * D;
+      float* out = part + w * M * D;
+      float* acc = accp.data();
+      std::fill(accp.begin(), accp.end(), 0.f);
       const int64_t t0 = c * kChunk, t1 = std::min(T, (c + 1) * kChunk), n = t1 - t0;
       if (n <= 0) continue;
-      for (int64_t u = 0; u < n; ++u) {
-        load_floats(sv.at(b, h, t0 + u, 0), sv.type, sv.sd, ng, sc.data() + u * ng);
-        load_floats(zv.at(b, h, t0 + u, 0), zv.type, zv.sd, ng, zc.data() + u * ng);
+      for (const auto& [view, dst] : {std::pair{&sv, sc.data()}, std::pair{&zv, zc.data()}}) {
+        if (view->sd == 1 && view->st == ng) {
+          // the chunk's rows are one run of n * ng values (the doubling buffers' layout)
+          load_floats(view->at(b, h, t0, 0), view->type, 1, n * ng, dst);
+        } else {
+          for (int64_t u = 0; u < n; ++u) load_floats(view->at(b, h, t0 + u, 0), view->type, view->sd, ng, dst + u * ng);
+        }
       }
       for (int64_t m = 0; m < M; ++m) {
         for (int64_t gi = 0; gi < ng; ++gi) {
@@ -613,6 +723,7 @@ at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, 
             wsc[(m * ng + gi) * kChunk + u] = pm * sc[u * ng + gi];
             zsum += pm * zc[u * ng + gi];
           }
+          // a group's positions are a permutation of its channels, so the zero term is the same
           for (int64_t d = gi * group; d < (gi + 1) * group; ++d) acc[m * D + d] += zsum;
         }
       }
@@ -651,9 +762,35 @@ at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, 
         }
         u += k;
       }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t d = 0; d < D; ++d) out[m * D + d] = acc[m * D + pos[d]];
     }
   });
   return partial.sum(1).view({B, H, M, D});
+}
+
+at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& scale,
+                            const at::Tensor& zero, int64_t levels, int64_t head_dim, int64_t chunk_codes,
+                            int64_t chunk_bytes, int64_t group) {
+  const int64_t B = weights.size(0), H = weights.size(1), T = weights.size(3);
+  const int64_t D = head_dim;
+  TORCH_CHECK(codes.size(2) == T, "weights and codes disagree on T");
+  TORCH_CHECK(group > 0 && D % group == 0, "group must divide head_dim");
+  auto p = check_rows(weights, "weights", B, H);
+  const View4 sv(scale), zv(zero);
+  TORCH_CHECK(sv.cols == D / group && zv.cols == D / group, "scale and zero must be [B, H_kv, T, D / G]");
+  if (shift_unpackable(levels, D, chunk_bytes)) {
+    const int bits = __builtin_ctzll(levels);
+    // a group must be whole 8-byte spans (64 / b channels) for the permutation to stay inside it
+    if (group % (64 / bits) == 0) {
+      TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
+                  "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
+      return token_mix(p, ShiftRows(View4(codes), bits, D), shift_order(bits, D), sv, zv, D, group);
+    }
+  }
+  CodeTables tables = make_tables(identity_table(levels), levels, chunk_codes, chunk_bytes);
+  const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
+  return token_mix(p, proto, identity_order(D), sv, zv, D, group);
 }
 
 at::Tensor fp_scores(const at::Tensor& query, const at::Tensor& keys) {
