@@ -832,6 +832,106 @@ at::Tensor code_mix(const at::Tensor& weights, const at::Tensor& codes, const at
   return with_code_rows(a, B, H, [&](const CodeRows& rows) { return run_mix(p, head_dim, rows); });
 }
 
+// v, hidden from the optimiser, so that no multiply-add is fused across it.
+inline float opaque(float v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("" : "+x"(v));
+#else
+  volatile float w = v;
+  v = w;
+#endif
+  return v;
+}
+
+// Round to the storage dtype and back, as torch does after every operation on Half or BFloat16.
+inline float round_to(at::ScalarType type, float x) {
+  if (type == at::kHalf) return static_cast<float>(c10::Half(x));
+  if (type == at::kBFloat16) return static_cast<float>(c10::BFloat16(x));
+  return x;
+}
+
+// Per-token affine quantization and packing of new tokens (the append of KIVI's value store),
+// bit-identical to kvbench.quant.affine.quantize_grouped(axis="token") followed by
+// kvbench.quant.packing.pack: each token's groups of G channels get s and z, codes are packed as
+// little-endian words of c base-L digits in m bytes.
+//   fp32 (arithmetic 0): float32 min/max; s = (max - min) / (L - 1) and z = min (minmax) or
+//     s = (max - min) / 2, z = (3 min + max) / 4 (specache), both rounded to `param` before
+//     q = clamp(floor((x - z) / s + 0.5), 0, L - 1) is computed against them; q = 0 where s = 0.
+//   kivi (arithmetic 1): every operation in x's dtype (rounded after each, as torch does for
+//     Half): s = (max - min) / (L - 1), q = round_half_even(clamp((x - min) / s, 0, L - 1));
+//     s and min kept in x's dtype.
+std::vector<at::Tensor> token_quantize_pack(const at::Tensor& x, int64_t levels, int64_t group,
+                                            int64_t arithmetic, int64_t specache, at::ScalarType param,
+                                            int64_t chunk_codes, int64_t chunk_bytes) {
+  TORCH_CHECK(x.dim() == 4 && x.device().is_cpu(), "x must be a CPU [B, H_kv, T, D] tensor");
+  const auto type = x.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kHalf || type == at::kBFloat16, "x must be a float tensor");
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  TORCH_CHECK(group > 0 && D % group == 0, "group must divide the head dim");
+  TORCH_CHECK(levels >= 2 && levels <= 256, "levels must be in 2..256");
+  const int64_t ng = D / group;
+  const int64_t chunks = (D + chunk_codes - 1) / chunk_codes;
+  const at::ScalarType kept = arithmetic == 1 ? type : param;
+  auto xf = x.to(at::kFloat).contiguous();
+  auto packed = at::zeros({B, H, T, chunks * chunk_bytes}, x.options().dtype(at::kByte));
+  auto scale = at::empty({B, H, T, ng}, x.options().dtype(at::kFloat));
+  auto zero = at::empty({B, H, T, ng}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* sp = scale.data_ptr<float>();
+  float* zp = zero.data_ptr<float>();
+  const float top = static_cast<float>(levels - 1);
+  at::parallel_for(0, B * H * T, 16, [&](int64_t lo_row, int64_t hi_row) {
+    std::vector<uint8_t> codes(chunks * chunk_codes);
+    for (int64_t r = lo_row; r < hi_row; ++r) {
+      const float* xr = xp + r * D;
+      std::fill(codes.begin(), codes.end(), 0);
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        const float* xg = xr + gi * group;
+        float lo = xg[0], hi = xg[0];
+        for (int64_t i = 1; i < group; ++i) {
+          lo = std::min(lo, xg[i]);
+          hi = std::max(hi, xg[i]);
+        }
+        float s, z;
+        if (arithmetic == 1) {
+          s = round_to(type, round_to(type, hi - lo) / top);
+          z = lo;
+          const float div = s == 0.f ? 1.f : s;
+          for (int64_t i = 0; i < group; ++i) {
+            float y = round_to(type, round_to(type, xg[i] - z) / div);
+            y = std::min(std::max(y, 0.f), top);
+            const float q = s == 0.f ? 0.f : std::nearbyint(round_to(type, y));
+            codes[gi * group + i] = static_cast<uint8_t>(q);
+          }
+        } else {
+          const float span = hi - lo;
+          s = round_to(param, specache ? span / 2.f : span / top);
+          // 3 min is rounded before max is added, as torch's two operations do (no fused multiply-add)
+          z = round_to(param, specache ? (opaque(3.f * lo) + hi) / 4.f : lo);
+          const float div = s == 0.f ? 1.f : s;
+          for (int64_t i = 0; i < group; ++i) {
+            const float y = (xg[i] - z) / div;
+            float q = std::floor(y + 0.5f);
+            q = std::min(std::max(q, 0.f), top);
+            codes[gi * group + i] = s == 0.f ? 0 : static_cast<uint8_t>(q);
+          }
+        }
+        sp[r * ng + gi] = s;
+        zp[r * ng + gi] = z;
+      }
+      uint8_t* out = pp + r * chunks * chunk_bytes;
+      for (int64_t j = 0; j < chunks; ++j) {
+        uint64_t word = 0, weight = 1;
+        for (int64_t i = 0; i < chunk_codes; ++i, weight *= static_cast<uint64_t>(levels))
+          word += codes[j * chunk_codes + i] * weight;
+        for (int64_t k = 0; k < chunk_bytes; ++k) out[j * chunk_bytes + k] = static_cast<uint8_t>(word >> (8 * k));
+      }
+    }
+  });
+  return {packed, scale.to(kept), zero.to(kept)};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp_scores", &fp_scores, "query [B,H,M,D] . full-precision keys [B,H,T,D] -> [B,H,M,T]");
   m.def("fp_mix", &fp_mix, "weights [B,H,M,T] x full-precision values [B,H,T,D] -> [B,H,M,D]");
@@ -839,4 +939,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("code_mix", &code_mix, "weights x packed codes through table/scale/zero");
   m.def("affine_channel_scores", &affine_channel_scores, "query . per-channel affine codes (folded)");
   m.def("affine_token_mix", &affine_token_mix, "weights x per-token affine codes (folded)");
+  m.def("token_quantize_pack", &token_quantize_pack, "per-token affine codes of new tokens, packed");
 }
