@@ -124,7 +124,13 @@ def outliers(g, b, h, t, d, count):
 def test_codebook_codes(reader, levels):
     b, h, d = 1, 3, 64
     for seed, (kind, m, t) in enumerate(
-        [("token-scale", 3, 203), ("fixed-range", 1, 150), ("rotated", 4, 99), ("outliers", 3, 301)]
+        [
+            ("token-scale", 3, 203),
+            ("token-range", 4, 130),
+            ("fixed-range", 1, 150),
+            ("rotated", 4, 99),
+            ("outliers", 3, 301),
+        ]
     ):
         g, q, p = inputs(seed, b, h, m, t, d)
         codes = grown_view(random_codes(g, levels, b, h, t, d))
@@ -132,6 +138,9 @@ def test_codebook_codes(reader, levels):
         kw = {}
         if kind == "token-scale":
             kw["scale"] = grown_view(torch.rand(b, h, t, 1, generator=g).half() + 0.5)
+        if kind == "token-range":
+            kw["scale"] = grown_view(torch.rand(b, h, t, 1, generator=g).half() + 0.5)
+            kw["zero"] = grown_view(torch.randn(b, h, t, 1, generator=g).half())
         if kind in ("fixed-range", "outliers"):
             kw["scale"] = torch.rand(1, h, 1, d, generator=g) + 0.5
             kw["zero"] = torch.randn(1, h, 1, d, generator=g)

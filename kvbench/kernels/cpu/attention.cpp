@@ -393,19 +393,43 @@ struct ShiftRows {
   std::vector<float> out;
   int64_t b = 0, h = 0;
 
-  ShiftRows(const View4& codes_, int bits_, int64_t head_dim_)
+  // codebook values of the codes (up to 16 levels, looked up in registers), or null for the codes
+  std::vector<float> table;
+
+  ShiftRows(const View4& codes_, int bits_, int64_t head_dim_, const float* table_ = nullptr)
       : codes(codes_), bits(bits_), nbytes(head_dim_ * bits_ / 8), head_dim(head_dim_) {
     out.resize(kSlots * head_dim + 8);
+    if (table_ != nullptr) {
+      table.assign(16, 0.f);
+      std::copy(table_, table_ + (1 << bits_), table.begin());
+    }
   }
   void bind(int64_t b_, int64_t h_) {
     b = b_;
     h = h_;
   }
 #ifdef KVB_AVX2
-  template <int BITS>
+  // codes -> their values: the codes themselves, or the table's entries (two 8-entry halves)
+  template <bool LOOKUP>
+  inline __m256 value(__m256i c, __m256 lo, __m256 hi) const {
+    if constexpr (!LOOKUP) {
+      return _mm256_cvtepi32_ps(c);
+    } else {
+      const __m256 a = _mm256_permutevar8x32_ps(lo, c);
+      if (bits < 4) return a;
+      const __m256 b = _mm256_permutevar8x32_ps(hi, c);
+      return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7))));
+    }
+  }
+  template <int BITS, bool LOOKUP>
   void unpack(const uint8_t* row, float* dst) const {
     constexpr int per = 8 / BITS;
     const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+    __m256 lo = _mm256_setzero_ps(), hi = lo;
+    if constexpr (LOOKUP) {
+      lo = _mm256_loadu_ps(table.data());
+      hi = _mm256_loadu_ps(table.data() + 8);
+    }
     for (int64_t j = 0; j < nbytes; j += 8) {
       const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j)));
       float* o = dst + j * per;
@@ -413,7 +437,7 @@ struct ShiftRows {
         _mm256_storeu_ps(o, _mm256_cvtepi32_ps(x));
       } else {
         for (int s = 0; s < per; ++s)
-          _mm256_storeu_ps(o + 8 * s, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(x, BITS * s), mask)));
+          _mm256_storeu_ps(o + 8 * s, value<LOOKUP>(_mm256_and_si256(_mm256_srli_epi32(x, BITS * s), mask), lo, hi));
       }
     }
   }
@@ -422,11 +446,19 @@ struct ShiftRows {
     const uint8_t* row = static_cast<const uint8_t*>(codes.at(b, h, t, 0));
     float* dst = out.data() + slot * head_dim;
 #ifdef KVB_AVX2
+    if (!table.empty()) {
+      switch (bits) {
+        case 1: unpack<1, true>(row, dst); break;
+        case 2: unpack<2, true>(row, dst); break;
+        default: unpack<4, true>(row, dst); break;
+      }
+      return dst;
+    }
     switch (bits) {
-      case 1: unpack<1>(row, dst); break;
-      case 2: unpack<2>(row, dst); break;
-      case 4: unpack<4>(row, dst); break;
-      default: unpack<8>(row, dst); break;
+      case 1: unpack<1, false>(row, dst); break;
+      case 2: unpack<2, false>(row, dst); break;
+      case 4: unpack<4, false>(row, dst); break;
+      default: unpack<8, false>(row, dst); break;
     }
 #endif
     return dst;
@@ -832,6 +864,145 @@ at::Tensor code_mix(const at::Tensor& weights, const at::Tensor& codes, const at
   return with_code_rows(a, B, H, [&](const CodeRows& rows) { return run_mix(p, head_dim, rows); });
 }
 
+// Codebook codes with an optional per-token scale and zero (TurboQuant's norms, KVQuant's
+// per-token value ranges): x[t, d] = s_t table[c[t, d]] + z_t, so
+//   q . x_t = s_t (q . table[c_t]) + z_t sum(q)   and   sum_t p_t x_t = sum_t (p_t s_t) table[c_t] + sum_t p_t z_t.
+// The codes are unpacked by shifts and looked up in registers (ShiftRows); other layouts, level
+// counts above 16 and per-channel parameters go through code_scores / code_mix.
+bool codebook_foldable(int64_t levels, int64_t head_dim, int64_t chunk_bytes, const c10::optional<at::Tensor>& scale,
+                       const c10::optional<at::Tensor>& zero, int64_t T) {
+  if (!shift_unpackable(levels, head_dim, chunk_bytes) || levels > 16) return false;
+  for (const auto* p : {&scale, &zero})
+    if (p->has_value() && ((*p)->dim() != 4 || (*p)->size(3) != 1 || (*p)->size(2) != T)) return false;
+  return true;
+}
+
+// The per-token parameter of token t (1 or 0 when absent).
+struct TokenParam {
+  View4 view;
+  float fallback;
+  TokenParam(const c10::optional<at::Tensor>& p, float fallback_) : fallback(fallback_) {
+    if (p.has_value()) view = View4(*p);
+  }
+  float get(int64_t b, int64_t h, int64_t t) const {
+    if (!view.valid()) return fallback;
+    float v;
+    load_floats(view.at(b, h, t, 0), view.type, 1, 1, &v);
+    return v;
+  }
+};
+
+at::Tensor codebook_token_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& table,
+                                 const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+                                 int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes) {
+  const int64_t B = query.size(0), H = query.size(1), M = query.size(2), D = head_dim, T = codes.size(2);
+  if (!codebook_foldable(levels, D, chunk_bytes, scale, zero, T))
+    return code_scores(query, codes, table, scale, zero, levels, D, chunk_codes, chunk_bytes, 1, 1, c10::nullopt,
+                       c10::nullopt, 0);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
+              "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
+  auto q = check_rows(query, "query", B, H);
+  auto tab = table.to(at::kFloat).contiguous();
+  const int bits = __builtin_ctzll(levels);
+  const ShiftRows proto(View4(codes), bits, D, tab.data_ptr<float>());
+  const std::vector<int64_t> pos = shift_order(bits, D);
+  const TokenParam sp(scale, 1.f), zp(zero, 0.f);
+  auto out = at::empty({B, H, M, T}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t chunks = (T + kChunk - 1) / kChunk;
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
+    ShiftRows rows = proto;
+    std::vector<float> qperm(M * D), qsum(M);
+    int64_t bound = -1;
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
+      rows.bind(b, h);
+      const float* qb = qp + bh * M * D;
+      float* ob = op + bh * M * T;
+      if (bh != bound) {
+        bound = bh;
+        for (int64_t m = 0; m < M; ++m) {
+          float acc = 0.f;
+          for (int64_t d = 0; d < D; ++d) {
+            qperm[m * D + pos[d]] = qb[m * D + d];
+            acc += qb[m * D + d];
+          }
+          qsum[m] = acc;
+        }
+      }
+      const int64_t t0 = c * kChunk, t1 = std::min(T, (c + 1) * kChunk);
+      int64_t t = t0;
+      for (; t + kSlots <= t1; t += kSlots) {
+        const float* x[kSlots] = {rows(t, 0), rows(t + 1, 1), rows(t + 2, 2), rows(t + 3, 3)};
+        dot_rows4(qperm.data(), M, D, x, ob + t, T);
+      }
+      for (; t < t1; ++t) dot_rows(qperm.data(), M, D, rows(t, 0), ob + t, T);
+      if (sp.view.valid() || zp.view.valid()) {
+        for (int64_t u = t0; u < t1; ++u) {
+          const float s = sp.get(b, h, u), z = zp.get(b, h, u);
+          for (int64_t m = 0; m < M; ++m) ob[m * T + u] = s * ob[m * T + u] + z * qsum[m];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor codebook_token_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& table,
+                              const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+                              int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes) {
+  const int64_t B = weights.size(0), H = weights.size(1), M = weights.size(2), T = weights.size(3);
+  const int64_t D = head_dim;
+  TORCH_CHECK(codes.size(2) == T, "weights and codes disagree on T");
+  if (!codebook_foldable(levels, D, chunk_bytes, scale, zero, T))
+    return code_mix(weights, codes, table, scale, zero, levels, D, chunk_codes, chunk_bytes, 1, 1);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
+              "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
+  auto p = check_rows(weights, "weights", B, H);
+  auto tab = table.to(at::kFloat).contiguous();
+  const int bits = __builtin_ctzll(levels);
+  const ShiftRows proto(View4(codes), bits, D, tab.data_ptr<float>());
+  const std::vector<int64_t> pos = shift_order(bits, D);
+  const TokenParam sp(scale, 1.f), zp(zero, 0.f);
+  const int64_t chunks = std::max<int64_t>(1, (T + kChunk - 1) / kChunk);
+  auto partial = at::zeros({B * H, chunks, M, D}, p.options());
+  const float* pp = p.data_ptr<float>();
+  float* part = partial.data_ptr<float>();
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
+    ShiftRows rows = proto;
+    std::vector<float> ws(M * kChunk), accp(M * D), zsum(M);
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
+      rows.bind(b, h);
+      const float* pb = pp + bh * M * T;
+      const int64_t t0 = c * kChunk, t1 = std::min(T, (c + 1) * kChunk), n = t1 - t0;
+      if (n <= 0) continue;
+      std::fill(accp.begin(), accp.end(), 0.f);
+      std::fill(zsum.begin(), zsum.end(), 0.f);
+      // the weights scaled per token: ws[m * kChunk + u] = p[m, t0 + u] s_(t0 + u)
+      for (int64_t u = 0; u < n; ++u) {
+        const float s = sp.get(b, h, t0 + u), z = zp.get(b, h, t0 + u);
+        for (int64_t m = 0; m < M; ++m) {
+          const float pm = pb[m * T + t0 + u];
+          ws[m * kChunk + u] = pm * s;
+          zsum[m] += pm * z;
+        }
+      }
+      int64_t u = 0;
+      for (; u + kSlots <= n; u += kSlots) {
+        const float* x[kSlots] = {rows(t0 + u, 0), rows(t0 + u + 1, 1), rows(t0 + u + 2, 2), rows(t0 + u + 3, 3)};
+        axpy_rows4(ws.data() + u, kChunk, M, D, x, accp.data());
+      }
+      for (; u < n; ++u) axpy_rows(ws.data() + u, kChunk, M, D, rows(t0 + u, 0), accp.data());
+      float* out = part + w * M * D;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t d = 0; d < D; ++d) out[m * D + d] = accp[m * D + pos[d]] + zsum[m];
+    }
+  });
+  return partial.sum(1).view({B, H, M, D});
+}
+
 // v, hidden from the optimiser, so that no multiply-add is fused across it.
 inline float opaque(float v) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -939,5 +1110,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("code_mix", &code_mix, "weights x packed codes through table/scale/zero");
   m.def("affine_channel_scores", &affine_channel_scores, "query . per-channel affine codes (folded)");
   m.def("affine_token_mix", &affine_token_mix, "weights x per-token affine codes (folded)");
+  m.def("codebook_token_scores", &codebook_token_scores, "query . codebook codes with per-token scale/zero");
+  m.def("codebook_token_mix", &codebook_token_mix, "weights x codebook codes with per-token scale/zero");
   m.def("token_quantize_pack", &token_quantize_pack, "per-token affine codes of new tokens, packed");
 }
