@@ -92,13 +92,13 @@ class CompiledReader:
                 return None
             q = query if part.rotation is None else torch.matmul(query, part.rotation.transpose(-1, -2))
             out = self._codebook_scores(part, q, None)
-            return out if part.outliers is None else _correct_scores(out, part, query, None)
+            return out if part.outliers is None else _correct_scores(out, part, query, None, self.k)
         if type(part) is RoPESource and type(part.inner) is CodebookSource and part.table is not None:
             inner = part.inner
             if inner.rotation is not None or not _on_cpu(inner.codes):
                 return None
             out = self._codebook_scores(inner, query, part)
-            return out if inner.outliers is None else _correct_scores(out, inner, query, part)
+            return out if inner.outliers is None else _correct_scores(out, inner, query, part, self.k)
         return None
 
     def _codebook_scores(self, part: CodebookSource, query, rope: RoPESource | None):
@@ -156,7 +156,7 @@ class CompiledReader:
                 )  # fmt: skip
             if part.rotation is not None:
                 out = torch.matmul(out, part.rotation)
-            return out if part.outliers is None else _correct_mix(out, part, weights)
+            return out if part.outliers is None else _correct_mix(out, part, weights, self.k)
         return None
 
 
@@ -189,8 +189,27 @@ def _outlier_deltas(part: CodebookSource):
     return bh, row, d, vals.float() - recon
 
 
-def _correct_scores(out, part: CodebookSource, query, rope: RoPESource | None):
-    """Add ``q . (exact - reconstructed)`` at every outlier (rotated to its position with RoPE)."""
+def _outlier_args(part: CodebookSource):
+    c, m = chunk_layout(part.levels)
+    t = part.num_tokens
+    rows, cols, vals = part.outliers
+    return (
+        part.codes, part.table, part.scale, part.zero, part.levels, part.head_dim, c, m,
+        _param_rows(part.scale, t), _param_rows(part.zero, t), rows, cols, vals,
+    )  # fmt: skip
+
+
+def _correct_scores(out, part: CodebookSource, query, rope: RoPESource | None, module=None):
+    """Add ``q . (exact - reconstructed)`` at every outlier (rotated to its position with RoPE):
+    one compiled pass over the entries, or the torch expression of it below."""
+    if module is not None and out.is_contiguous():
+        cos = sin = None
+        offset = 0
+        if rope is not None:
+            cos, sin = rope.table
+            offset = rope.first_position
+        module.outlier_scores(out, query, *_outlier_args(part), cos, sin, offset)
+        return out
     bh, row, d, delta = _outlier_deltas(part)
     b, h, mrows, t = out.shape
     q = query.reshape(b * h, mrows, -1)
@@ -210,8 +229,11 @@ def _correct_scores(out, part: CodebookSource, query, rope: RoPESource | None):
     return out
 
 
-def _correct_mix(out, part: CodebookSource, weights):
+def _correct_mix(out, part: CodebookSource, weights, module=None):
     """Add ``p_t (exact - reconstructed)`` at every outlier."""
+    if module is not None and out.is_contiguous():
+        module.outlier_mix(out, weights, *_outlier_args(part))
+        return out
     bh, row, d, delta = _outlier_deltas(part)
     b, h, mrows, t = weights.shape
     p = weights.reshape(b * h, mrows, t)
