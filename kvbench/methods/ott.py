@@ -84,6 +84,9 @@ class OTTConfig(FullPrecisionWindow, MethodConfig):
     zero_point: str = "minmax"
 
     default_bits: ClassVar[float] = 2.0
+    # Triton's fused KIVI decode reads the quantized store and the residual window only; it knows
+    # nothing of the outlier pools, so on that backend OTT would silently lose them.
+    backends: ClassVar[tuple[str, ...]] = ("torch",)
 
     def __post_init__(self):
         super().__post_init__()

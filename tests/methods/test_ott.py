@@ -229,3 +229,16 @@ def test_value_group_must_divide_head_dim():
     method = build_method({"name": "ott", "bits": 2, "value_group_size": 48})
     with pytest.raises(ConfigError, match=r"method.value_group_size=48: must divide head_dim=64"):
         method.config.check_model(ModelShape(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64))
+
+
+def test_triton_backend_is_refused_in_one_line_naming_the_ones_implemented():
+    """The fused Triton decode reads no outlier pools; OTT on it would drop them silently."""
+    from kvbench.errors import ConfigError
+    from kvbench.methods import build_method
+
+    with pytest.raises(ConfigError) as info:
+        build_method({"name": "ott", "backend": "triton"}, 2)
+    message = str(info.value)
+    assert "method.backend" in message and "triton" in message and "torch" in message
+    assert "\n" not in message
+    assert build_method({"name": "ott", "backend": "auto"}, 2).config.backend == "auto"
