@@ -9,11 +9,32 @@ s = (max - min) / (2^B - 1), round half up (:mod:`kvbench.quant.affine`). The co
 x_p = z + s * ((q >> (B-p) + 0.5) * 2^(B-p) - 0.5), and x_B is the stored value exactly. Stored
 entries never change.
 
-Storage layout and what "read bits" means: the codes are held as plain packed B-bit codes
-(``QuantizedTokens``; for B = 8 one byte per value) plus fp16 scales/zeros. The read counter is the
-paper's *logical payload read*: a value read at prefix p counts p bits (the codes' top p bits);
-scales/zeros and the full-precision tokens are not counted. With this byte layout a physical reader
-would move whole bytes; a bit-plane layout would make the logical count physical.
+Storage layout: the codes are held as bit planes (:class:`~kvbench.cache.bitplanes.BitPlaneTokens`,
+:mod:`kvbench.quant.bitplanes`), plane j holding bit B-1-j of every code, 8 entries per byte: keys'
+planes packed along tokens (a key prefix is per channel, so channel c's first p_c planes are
+p_c * T / 8 bytes), values' along channels (a value prefix is per token: token t's first p_t planes
+are p_t * D / 8 bytes); plus fp16 scales/zeros. B bits per stored entry, as packed B-bit codes.
+
+What "read bits" means, two counters:
+
+- the paper's *logical payload read* (``read_bits_total``): a value read at prefix p counts p bits
+  (the codes' top p bits) for every query head; scales/zeros and the full-precision tokens are not
+  counted;
+- the bytes a prefix reader of this layout moves per decode step (``read_bytes_total``, over
+  ``read_steps`` steps): per (sequence, kv head), the planes any query head sharing it needs
+  (key plane j of channel c when some head reads p_c > j: T / 8 bytes; value plane j of token t
+  when some head reads p_t > j: ceil(D / 8) bytes), plus every scale and zero (a prefix of 0 bits
+  still reconstructs at the group's centre) and the full-precision tokens. With one query head per
+  kv head and no GQA this is the logical count in bytes plus the parameters; a GQA group reads the
+  union of its heads' prefixes.
+
+The torch read below consumes the store plane by plane: the reconstruction is
+x_p = z + s * (sum_{j<p} bit_j 2^(B-1-j) + 2^(B-1-p) - 1/2) (the bin centre of the prefix, equal to
+the progressive code's x_p), so the logits are q . z + (q o off(p)) . s + sum_j 2^(B-1-j)
+(q o [p > j]) . (s o bit_j) and the output the same with the attention weights: one small matmul
+per plane over that plane's bits. It is the reference for a reader that skips the planes no head
+needs (which the counter measures); as plain torch it unpacks each plane of a block once, and the
+masks [p > j] zero what no query reads.
 
 Streaming: new tokens join a full-precision buffer (``fp_dtype``); whenever it holds at least
 R + G tokens (R = ``residual``, default 0, as the paper's abstract names no window), its oldest G
@@ -53,16 +74,16 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from kvbench.cache.bitplanes import BitPlaneTokens
 from kvbench.cache.composite import CompositeLayer
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens
 from kvbench.cache.masks import grouped_additive_mask
-from kvbench.cache.quantized import QuantizedTokens
 from kvbench.config import require
 from kvbench.methods.affine_base import FullPrecisionWindow
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
+from kvbench.quant.bitplanes import plane_bits
 from kvbench.quant.blockwise import configured_block_size
-from kvbench.quant.packing import unpack
 from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
 
 
@@ -79,6 +100,8 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
     key_share: float = 0.5
 
     backends: ClassVar[tuple[str, ...]] = ("torch",)
+    # 2: codes stored as bit planes (the reads' logits and outputs reassociate)
+    version: ClassVar[int] = 2
     default_bits: ClassVar[float] = 8.0
     bits_knob: ClassVar[str | None] = "read_bits"  # the run's bits set the read budget, not B
 
@@ -100,10 +123,11 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
         )
         self.read_bits = float(self.read_bits)
         require(
-            self.group_size > 0,
+            self.group_size > 0 and self.group_size % 8 == 0,
             "method.group_size",
             self.group_size,
-            "a positive integer (tokens per key group, channels per value group)",
+            "a positive multiple of 8 (tokens per key group, channels per value group; key planes "
+            "pack 8 tokens per byte)",
         )
         require(
             self.residual >= 0,
@@ -142,9 +166,8 @@ def grouped_codes(codes, scale, zero, axis: str, group: int) -> Codes:
     return Codes(codes, scale.repeat_interleave(group, dim), zero.float().repeat_interleave(group, dim), rms)
 
 
-def expanded_codes(store: QuantizedTokens) -> Codes:
-    codes = unpack(store.codes, store.levels, store.head_dim)
-    return grouped_codes(codes, store.scale, store.zero, store.axis, store.group_size)
+def expanded_codes(store: BitPlaneTokens) -> Codes:
+    return grouped_codes(store.codes(), store.scale, store.zero, store.axis, store.group_size)
 
 
 def budgets(read_bits: float, key_share: float, head_dim: int, tokens: int) -> tuple[int, int]:
@@ -201,25 +224,33 @@ def query_adaptive_attention(
     return out, pk, pv
 
 
-class PackedStore(NamedTuple):
-    """A store's packed codes ``[B, H_kv, T, bytes]`` and grouped ``scale``/``zero`` as held (views
-    taken before a forward appends), with its level count, group size and quantization axis."""
+class PlaneStore(NamedTuple):
+    """A store's bit planes and grouped ``scale``/``zero`` as held (views taken before a forward
+    appends), with its code width, group size, quantization axis and plane packing."""
 
-    codes: torch.Tensor
+    planes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
-    levels: int
+    bits: int
     group: int
     axis: str
+    along: str
+    head_dim: int
 
     @classmethod
-    def of(cls, store: QuantizedTokens) -> PackedStore:
-        return cls(store.codes, store.scale, store.zero, store.levels, store.group_size, store.axis)
+    def of(cls, store: BitPlaneTokens) -> PlaneStore:
+        return cls(
+            store.planes, store.scale, store.zero, store.bits, store.group_size, store.axis, store.along,
+            store.head_dim,
+        )  # fmt: skip
 
-    def block(self, start: int, stop: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Codes (uint8) and float32 scale/zero expanded to ``[B, H_kv, stop - start, D]`` for
-        tokens ``[start, stop)`` (group-aligned for the channel axis)."""
-        codes = unpack(self.codes[..., start:stop, :], self.levels, head_dim)
+    @property
+    def num_tokens(self) -> int:
+        return self.planes.shape[-2] * (8 if self.along == "token" else 1)
+
+    def params(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 scale and zero expanded to ``[B, H_kv, stop - start, D]`` for tokens
+        ``[start, stop)`` (group-aligned for the channel axis)."""
         if self.axis == "channel":
             rows = slice(start // self.group, stop // self.group)
             s = self.scale[..., rows, :].float().repeat_interleave(self.group, -2)
@@ -227,13 +258,25 @@ class PackedStore(NamedTuple):
         else:
             s = self.scale[..., start:stop, :].float().repeat_interleave(self.group, -1)
             z = self.zero[..., start:stop, :].float().repeat_interleave(self.group, -1)
-        return codes, s, z
+        return s, z
+
+    def plane(self, j: int, start: int, stop: int) -> torch.Tensor:
+        """float32 0/1 bits ``[B, H_kv, stop - start, D]`` of plane j (bit B-1-j) for the tokens
+        (multiples of 8 for token-packed planes); reads that plane's bytes of the range only."""
+        rows = slice(start // 8, stop // 8) if self.along == "token" else slice(start, stop)
+        return plane_bits(self.planes[..., rows, :], self.bits, j, self.along, self.head_dim).float()
+
+
+def _centre_offset(prefix: torch.Tensor, bits: int) -> torch.Tensor:
+    """``2^(B-1-p) - 1/2`` (float32, exact): the bin centre of a p-bit prefix above its lowest code
+    (0 at p = B)."""
+    return (torch.ones_like(prefix) << (bits - prefix)).float() * 0.5 - 0.5
 
 
 def blockwise_query_adaptive_attention(
     query: torch.Tensor,
-    keys: PackedStore,
-    values: PackedStore,
+    keys: PlaneStore,
+    values: PlaneStore,
     bits: int,
     key_budget: int,
     value_budget: int,
@@ -243,26 +286,28 @@ def blockwise_query_adaptive_attention(
     mask: torch.Tensor | None = None,
     block_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`query_adaptive_attention` read straight from the packed stores, a block of tokens at a
-    time: the prefix reconstructions ``[B, H_kv, n, block, D]`` exist for one block only, never for
-    the whole cache. Two passes, because step 3's allocation needs the attention of every stored
-    token: pass 1 computes the logits of all stored tokens (``[B, H_kv, n, T]``, no head dim), pass 2
-    the prefix-read values. Same arguments and results as the dense function, up to float
-    reassociation."""
+    """:func:`query_adaptive_attention` read from the bit planes, a block of tokens at a time,
+    plane by plane (module docstring): no prefix reconstruction ``[B, H_kv, n, block, D]`` is
+    formed. Two passes, because step 3's allocation needs the attention of every stored token:
+    pass 1 computes the logits of all stored tokens (``[B, H_kv, n, T]``), pass 2 the prefix-read
+    values. Same arguments and results as the dense function, up to float reassociation."""
     q = query.float()
-    d = q.shape[-1]
-    tq = keys.codes.shape[-2]
+    tq = keys.num_tokens
     block = max(keys.group, block_size // keys.group * keys.group)  # whole key groups per block
     ranges = [(s, min(s + block, tq)) for s in range(0, tq, block)]
     # 1. key channels: weight |q_c| * sigma_c (sigma: RMS of the channel's scales over its groups)
     rms_k = keys.scale.float().pow(2).mean(-2).sqrt()  # [B, H, D]
     pk = allocate_prefix_bits(q.abs() * rms_k[:, :, None, :], bits, key_budget)  # [B, H, n, D]
+    q_off = q * _centre_offset(pk, bits)
+    q_planes = [q * (pk > j) * float(2 ** (bits - 1 - j)) for j in range(bits)]
     # 2. logits of the stored tokens, block by block, then one softmax with the exact tokens
     parts = []
     for start, stop in ranges:
-        c, s, z = keys.block(start, stop, d)
-        k_p = prefix_reconstruct(c[:, :, None], s[:, :, None], z[:, :, None], bits, pk[:, :, :, None, :])
-        parts.append((k_p @ q[..., None])[..., 0] * scaling)  # [B, H, n, block]
+        s, z = keys.params(start, stop)
+        logit = q @ z.transpose(-1, -2) + q_off @ s.transpose(-1, -2)
+        for j in range(bits):
+            logit = logit + q_planes[j] @ (s * keys.plane(j, start, stop)).transpose(-1, -2)
+        parts.append(logit * scaling)  # [B, H, n, block]
     if exact_k is not None and exact_k.shape[-2]:
         parts.append(q @ exact_k.float().transpose(-1, -2) * scaling)
     logits = torch.cat(parts, dim=-1)
@@ -276,18 +321,31 @@ def blockwise_query_adaptive_attention(
     # 3. value tokens: weight a_t * rho_t (rho: RMS of the token's scales over its channel groups)
     rho_v = values.scale.float().pow(2).mean(-1).sqrt()  # [B, H, T]
     pv = allocate_prefix_bits(a_stored * rho_v[:, :, None, :], bits, value_budget)  # [B, H, n, T]
-    # 4. output, block by block
+    a_off = a_stored * _centre_offset(pv, bits)
+    # 4. output, block by block and plane by plane
     out = None
     for start, stop in ranges:
-        c, s, z = values.block(start, stop, d)
-        v_p = prefix_reconstruct(
-            c[:, :, None], s[:, :, None], z[:, :, None], bits, pv[..., start:stop, None]
-        )  # [B, H, n, block, D]
-        part = (a_stored[..., None, start:stop] @ v_p)[..., 0, :]
+        s, z = values.params(start, stop)
+        w = a_stored[..., start:stop]
+        part = w @ z + a_off[..., start:stop] @ s
+        for j in range(bits):
+            wj = w * (pv[..., start:stop] > j) * float(2 ** (bits - 1 - j))
+            part = part + wj @ (s * values.plane(j, start, stop))
         out = part if out is None else out + part
     if exact_v is not None and exact_v.shape[-2]:
         out = out + a[..., tq:] @ exact_v.float()
     return out, pk, pv
+
+
+def planes_moved(keys: PlaneStore, values: PlaneStore, pk: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
+    """Code bytes a prefix reader of the planes moves for one read (module docstring), as a device
+    int64 scalar: per (sequence, kv head) the planes some query head needs, key plane j of channel c
+    (``T / 8`` bytes) when any head's ``pk > j``, value plane j of token t (``ceil(D / 8)``) when
+    any head's ``pv > j``. ``pk [B, H_kv, n, D]``, ``pv [B, H_kv, n, T]``."""
+    planes = torch.arange(keys.bits, device=pk.device)[:, None]
+    key_planes = (pk.amax(2)[..., None, :] > planes).sum()  # (plane, channel) pairs
+    value_planes = (pv.amax(2)[..., None, :] > planes).sum()  # (plane, token) pairs
+    return key_planes * (keys.num_tokens // 8) + value_planes * -(-values.head_dim // 8)
 
 
 class ReadKVLayer(CompositeLayer):
@@ -296,13 +354,17 @@ class ReadKVLayer(CompositeLayer):
         self.bits = int(cfg.bits)
         self.read_bits, self.key_share = cfg.read_bits, cfg.key_share
         self.group, self.residual = cfg.group_size, cfg.residual
-        levels = 2**self.bits
-        self.kq = QuantizedTokens(levels, "channel", self.group)
-        self.vq = QuantizedTokens(levels, "token", self.group)
+        self.kq = BitPlaneTokens(self.bits, "channel", self.group)
+        self.vq = BitPlaneTokens(self.bits, "token", self.group)
         self.k_res = FullPrecisionTokens(fp_dtype)
         self.v_res = FullPrecisionTokens(fp_dtype)
         self.read_bits_total = 0
         self.read_values_total = 0
+        # bytes moved by the decode reads: planes (a device tensor, so no step waits on the device)
+        # plus parameters and full-precision tokens (known on the host)
+        self.read_steps = 0
+        self.read_bytes_host = 0
+        self.read_bytes_planes: torch.Tensor | None = None
         self._adaptive: tuple | None = None  # (key store, value store, buffer k, buffer v, new k, new v)
 
     def append(self, keys, values):
@@ -317,8 +379,8 @@ class ReadKVLayer(CompositeLayer):
         if key_states.shape[-2] <= 2 and len(self.kq):
             # views of storage that appends never overwrite: they stay valid after the append
             self._adaptive = (
-                PackedStore.of(self.kq),
-                PackedStore.of(self.vq),
+                PlaneStore.of(self.kq),
+                PlaneStore.of(self.vq),
                 self.k_res.data,
                 self.v_res.data,
                 key_states,
@@ -337,7 +399,7 @@ class ReadKVLayer(CompositeLayer):
         rep = h // hk
         qf = query.float().reshape(b, hk, rep * q_len, d)  # query heads kv*rep + r share kv head kv
         exact_k, exact_v = cat_tokens(k_buf, new_k), cat_tokens(v_buf, new_v)
-        tq = kc.codes.shape[-2]
+        tq = kc.num_tokens
         kv_len = tq + exact_k.shape[-2]
         mask = grouped_additive_mask(attention_mask, b, hk, rep, q_len, kv_len, query.device)
         kb, vb = budgets(self.read_bits, self.key_share, d, tq)
@@ -353,6 +415,14 @@ class ReadKVLayer(CompositeLayer):
         value_bits = max(0, min(int(vb), tq * self.bits))
         self.read_bits_total += rows * (key_bits * tq + value_bits * d)
         self.read_values_total += 2 * rows * tq * d
+        moved = planes_moved(kc, vc, pk, pv)
+        self.read_bytes_planes = moved if self.read_bytes_planes is None else self.read_bytes_planes + moved
+        self.read_bytes_host += sum(
+            x.numel() * x.element_size()
+            for x in (kc.scale, kc.zero, vc.scale, vc.zero, k_buf, v_buf)
+            if x is not None
+        )
+        self.read_steps += 1
         out = out.reshape(b, h, q_len, d)
         return out.transpose(1, 2).contiguous().to(query.dtype), None
 
@@ -362,6 +432,11 @@ class ReadKVLayer(CompositeLayer):
 
     def read_stats(self):
         return self.read_bits_total, self.read_values_total
+
+    def read_traffic(self):
+        if not self.read_steps:
+            return None
+        return self.read_steps, int(self.read_bytes_planes) + self.read_bytes_host
 
 
 @register_method("readkv")
