@@ -176,6 +176,9 @@ class SemKVConfig(MethodConfig):
     def high_fraction(self) -> float:
         return high_fraction(self.target_bits, self.low_levels, self.high_levels)
 
+    def stored_levels(self):
+        return (self.high_levels, self.low_levels)
+
     def check_model(self, shape):
         check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")
 

@@ -40,6 +40,10 @@ from kvbench.quant.levels import check_levels
 
 # Longest base-L word, in bytes (a 32-bit word).
 MAX_WORD_BYTES = 4
+# 2: base-L codes in words of up to 4 bytes (1: one byte per chunk, e.g. 3 codes of 5 levels). Bit
+# packing (powers of two) is the same in both; the run id of a config that packs another level
+# count carries this (kvbench.results.canonical_config), so its old runs are not resumed as new.
+PACKING_VERSION = 2
 
 
 def chunk_layout(levels: int) -> tuple[int, int]:
