@@ -28,13 +28,14 @@ What "read bits" means, two counters:
   kv head and no GQA this is the logical count in bytes plus the parameters; a GQA group reads the
   union of its heads' prefixes.
 
-The torch read below consumes the store plane by plane: the reconstruction is
-x_p = z + s * (sum_{j<p} bit_j 2^(B-1-j) + 2^(B-1-p) - 1/2) (the bin centre of the prefix, equal to
-the progressive code's x_p), so the logits are q . z + (q o off(p)) . s + sum_j 2^(B-1-j)
-(q o [p > j]) . (s o bit_j) and the output the same with the attention weights: one small matmul
-per plane over that plane's bits. It is the reference for a reader that skips the planes no head
-needs (which the counter measures); as plain torch it unpacks each plane of a block once, and the
-masks [p > j] zero what no query reads.
+The torch read below assembles, per block of tokens and per kv head, the codes from only the
+planes some query row sharing the head reads (:meth:`PlaneStore.read_codes`: bit B-1-j of key
+channel c only if some row's p_c > j, of value token t only if some row's p_t > j; the other bits
+stay 0), then reconstructs each row's prefixes at their bin centres
+(:func:`~kvbench.quant.progressive.prefix_reconstruct`), so it computes exactly what the dense
+reference computes from the full codes. As plain torch it still loads each plane's bytes of the
+block before masking them; the counter above is what a reader that skips the unneeded planes
+moves, and the tests flip every bit of the unneeded planes to check that the output does not move.
 
 Streaming: new tokens join a full-precision buffer (``fp_dtype``); whenever it holds at least
 R + G tokens (R = ``residual``, default 0, as the paper's abstract names no window), its oldest G
@@ -82,7 +83,6 @@ from kvbench.cache.masks import grouped_additive_mask
 from kvbench.config import require
 from kvbench.methods.affine_base import FullPrecisionWindow
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
-from kvbench.quant.bitplanes import plane_bits
 from kvbench.quant.blockwise import configured_block_size
 from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
 
@@ -100,7 +100,7 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
     key_share: float = 0.5
 
     backends: ClassVar[tuple[str, ...]] = ("torch",)
-    # 2: codes stored as bit planes (the reads' logits and outputs reassociate)
+    # 2: codes stored as bit planes (same values and attention, other bytes)
     version: ClassVar[int] = 2
     default_bits: ClassVar[float] = 8.0
     bits_knob: ClassVar[str | None] = "read_bits"  # the run's bits set the read budget, not B
@@ -260,17 +260,31 @@ class PlaneStore(NamedTuple):
             z = self.zero[..., start:stop, :].float().repeat_interleave(self.group, -1)
         return s, z
 
-    def plane(self, j: int, start: int, stop: int) -> torch.Tensor:
-        """float32 0/1 bits ``[B, H_kv, stop - start, D]`` of plane j (bit B-1-j) for the tokens
-        (multiples of 8 for token-packed planes); reads that plane's bytes of the range only."""
-        rows = slice(start // 8, stop // 8) if self.along == "token" else slice(start, stop)
-        return plane_bits(self.planes[..., rows, :], self.bits, j, self.along, self.head_dim).float()
-
-
-def _centre_offset(prefix: torch.Tensor, bits: int) -> torch.Tensor:
-    """``2^(B-1-p) - 1/2`` (float32, exact): the bin centre of a p-bit prefix above its lowest code
-    (0 at p = B)."""
-    return (torch.ones_like(prefix) << (bits - prefix)).float() * 0.5 - 0.5
+    def read_codes(self, need: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The codes of tokens ``[start, stop)`` as far as the planes ``need`` asks for: uint8
+        ``[B, H_kv, stop - start, D]`` holding bit B-1-j of an entry only where ``need > j`` (0
+        elsewhere), built from those planes' bits and nothing else. ``need`` is the longest prefix
+        any query row sharing the kv head reads: ``[B, H_kv, D]`` per channel for token-packed key
+        planes (start/stop multiples of 8), ``[B, H_kv, stop - start]`` per token for
+        channel-packed value planes."""
+        b, h = self.planes.shape[:2]
+        d, bits = self.head_dim, self.bits
+        lanes = torch.arange(8, dtype=torch.uint8, device=self.planes.device)
+        if self.along == "token":
+            o = (stop - start) // 8
+            planes = self.planes[..., start // 8 : stop // 8, :].view(b, h, o, bits, d)
+            out = torch.zeros(b, h, o, d, 8, dtype=torch.uint8, device=planes.device)
+            for j in range(bits):
+                keep = ((need > j).to(torch.uint8) << (bits - 1 - j))[:, :, None, :, None]  # [B, H, 1, D, 1]
+                out |= ((planes[:, :, :, j, :, None] >> lanes) & 1) * keep
+            return out.transpose(-1, -2).reshape(b, h, o * 8, d)
+        t, d8 = stop - start, -(-d // 8)
+        planes = self.planes[..., start:stop, :].view(b, h, t, bits, d8)
+        out = torch.zeros(b, h, t, d8 * 8, dtype=torch.uint8, device=planes.device)
+        for j in range(bits):
+            keep = ((need > j).to(torch.uint8) << (bits - 1 - j))[..., None]  # [B, H, T, 1]
+            out |= ((planes[:, :, :, j, :, None] >> lanes) & 1).reshape(b, h, t, d8 * 8) * keep
+        return out[..., :d]
 
 
 def blockwise_query_adaptive_attention(
@@ -286,11 +300,13 @@ def blockwise_query_adaptive_attention(
     mask: torch.Tensor | None = None,
     block_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`query_adaptive_attention` read from the bit planes, a block of tokens at a time,
-    plane by plane (module docstring): no prefix reconstruction ``[B, H_kv, n, block, D]`` is
-    formed. Two passes, because step 3's allocation needs the attention of every stored token:
+    """:func:`query_adaptive_attention` read from the bit planes, a block of tokens at a time: each
+    kv head's codes are assembled from the planes its query rows read (:meth:`PlaneStore.read_codes`)
+    and each row's prefixes reconstructed at their bin centres, ``[B, H_kv, n, block, D]`` for one
+    block only. Two passes, because step 3's allocation needs the attention of every stored token:
     pass 1 computes the logits of all stored tokens (``[B, H_kv, n, T]``), pass 2 the prefix-read
-    values. Same arguments and results as the dense function, up to float reassociation."""
+    values. Same arguments and results as the dense function (the same prefix reconstructions),
+    up to float reassociation."""
     q = query.float()
     tq = keys.num_tokens
     block = max(keys.group, block_size // keys.group * keys.group)  # whole key groups per block
@@ -298,16 +314,14 @@ def blockwise_query_adaptive_attention(
     # 1. key channels: weight |q_c| * sigma_c (sigma: RMS of the channel's scales over its groups)
     rms_k = keys.scale.float().pow(2).mean(-2).sqrt()  # [B, H, D]
     pk = allocate_prefix_bits(q.abs() * rms_k[:, :, None, :], bits, key_budget)  # [B, H, n, D]
-    q_off = q * _centre_offset(pk, bits)
-    q_planes = [q * (pk > j) * float(2 ** (bits - 1 - j)) for j in range(bits)]
+    key_need = pk.amax(2)  # [B, H, D]: the planes some query row sharing the kv head reads
     # 2. logits of the stored tokens, block by block, then one softmax with the exact tokens
     parts = []
     for start, stop in ranges:
         s, z = keys.params(start, stop)
-        logit = q @ z.transpose(-1, -2) + q_off @ s.transpose(-1, -2)
-        for j in range(bits):
-            logit = logit + q_planes[j] @ (s * keys.plane(j, start, stop)).transpose(-1, -2)
-        parts.append(logit * scaling)  # [B, H, n, block]
+        codes = keys.read_codes(key_need, start, stop)  # [B, H, block, D]
+        k_p = prefix_reconstruct(codes[:, :, None], s[:, :, None], z[:, :, None], bits, pk[:, :, :, None, :])
+        parts.append((k_p @ q[..., None])[..., 0] * scaling)  # [B, H, n, block]
     if exact_k is not None and exact_k.shape[-2]:
         parts.append(q @ exact_k.float().transpose(-1, -2) * scaling)
     logits = torch.cat(parts, dim=-1)
@@ -321,16 +335,15 @@ def blockwise_query_adaptive_attention(
     # 3. value tokens: weight a_t * rho_t (rho: RMS of the token's scales over its channel groups)
     rho_v = values.scale.float().pow(2).mean(-1).sqrt()  # [B, H, T]
     pv = allocate_prefix_bits(a_stored * rho_v[:, :, None, :], bits, value_budget)  # [B, H, n, T]
-    a_off = a_stored * _centre_offset(pv, bits)
-    # 4. output, block by block and plane by plane
+    value_need = pv.amax(2)  # [B, H, T]
+    # 4. output, block by block
     out = None
     for start, stop in ranges:
         s, z = values.params(start, stop)
-        w = a_stored[..., start:stop]
-        part = w @ z + a_off[..., start:stop] @ s
-        for j in range(bits):
-            wj = w * (pv[..., start:stop] > j) * float(2 ** (bits - 1 - j))
-            part = part + wj @ (s * values.plane(j, start, stop))
+        prefix = pv[..., start:stop]
+        codes = values.read_codes(value_need[..., start:stop], start, stop)  # [B, H, block, D]
+        v_p = prefix_reconstruct(codes[:, :, None], s[:, :, None], z[:, :, None], bits, prefix[..., None])
+        part = (a_stored[..., None, start:stop] @ v_p)[..., 0, :]
         out = part if out is None else out + part
     if exact_v is not None and exact_v.shape[-2]:
         out = out + a[..., tq:] @ exact_v.float()
