@@ -12,6 +12,8 @@ PY     := $(VENV)/bin/python
 # machines); USE_SHARED_DATA=0 switches that off. The tests never use it: they carry their own
 # fixtures (tests/fixtures) and refuse any read under ../shared (tests/sandbox).
 USE_SHARED_DATA ?= 1
+# pytest-xdist workers for `make test` (each runs one thread; see tests/conftest.py)
+TEST_WORKERS ?= 2
 SHARED_DATA := $(abspath ../shared/data)
 ifeq ($(USE_SHARED_DATA),1)
 export KVBENCH_DATA_DIR ?= $(if $(wildcard $(SHARED_DATA)),$(SHARED_DATA),)
@@ -40,7 +42,7 @@ test: export KVBENCH_DATA_DIR :=
 test: assets
 	$(PY) -m ruff check kvbench tests scripts hydra_plugins
 	$(PY) -m ruff format --check kvbench tests scripts hydra_plugins
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 lint: setup
 	$(PY) -m ruff check kvbench tests scripts hydra_plugins

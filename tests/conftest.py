@@ -17,6 +17,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs the suite in two pytest-xdist workers. Each worker, and every Python it starts,
+# gets one thread: two workers of two OpenMP threads each on two cores spin-wait on each other and
+# run many times slower than one thread each.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 import importlib.util
 import shutil
 import tempfile
@@ -164,7 +171,10 @@ def default_model():
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the session when any process of it opened a path under a forbidden folder, even where
-    the code that did it caught the error (see tests/sandbox/sitecustomize.py)."""
+    the code that did it caught the error (see tests/sandbox/sitecustomize.py). Under pytest-xdist
+    the workers share the controller's log, which reads and removes it once they are done."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     log = os.environ.get("KVBENCH_TEST_FORBIDDEN_LOG")
     seen = Path(log).read_text(encoding="utf-8").splitlines() if log and Path(log).is_file() else []
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

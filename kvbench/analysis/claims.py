@@ -44,18 +44,46 @@ Schema: one mapping per claim under the top-level ``claims:`` list.
   only when that arm (the FP16 reference) scores above V on the model. At or below it (a 135M
   model scoring 0 on GSM8K, where every method ties at 0) the verdict is ``not testable here``,
   with the arm's measured mean as the reason: computed from the runs, like every verdict;
+- ``premise``: optional list of conditions the paper's claim presupposes, each computed from the
+  runs of a (possibly other) experiment node: ``{cliff_at_most: X, experiment: NODE, family:
+  SELECTOR, reference: SELECTOR, why: TEXT}`` holds when that family's measured cliff on the model
+  lies at or below X bits (every grid point >= X is not significantly worse than the reference,
+  Holm over the grid: SemKV's recipe interpolates above the model's own cliff). A premise that
+  fails makes the verdict ``premise not met here``, with the measured cliff as the reason;
+- ``proxy``: optional text, what the rule measures in place of the paper's quantity (an
+  attention-output error for task accuracy); the verdict reads ``... in proxy``, and ``task_claim``
+  names the claim that tests the paper's task-level quantity;
+- ``quote``: the source document's own words the claim rests on (verbatim, any language);
+  ``scripts/check_claim_sources.py`` finds it, the ``where`` and the ``published`` numbers in
+  ``../shared/papers`` and records the excerpts in ``tests/fixtures/claim_sources.json``;
+  ``where: summary`` when the document names no section, table or figure;
 - ``note``: optional text.
 
 ``measured``, ``verdict`` and ``source`` are rejected: they are outputs.
 
 Verdicts (``VERDICTS``), per rule: ``reproduced`` when the rule's test rejects in the claim's
-direction at ``alpha``; ``not reproduced`` when the test in the opposite direction rejects (a
-significant effect the other way, a mean significantly outside the bound); ``inconclusive`` when
-neither does, with the pairs needed to settle it at the observed mean and spread (power 0.8,
-``kvbench.stats.power``; for a family, at ``alpha / m``, Holm's first step); ``not run`` when the
-experiment has no runs for the model, an arm matches no configuration, or fewer than 2 pairs are
-shared. A claim with several rules is ``not reproduced`` if any rule is, else ``not run`` if any
-is, else ``inconclusive`` if any is, else ``reproduced``.
+direction at ``alpha``; ``evidence against`` when the test in the opposite direction rejects (a
+significant effect the other way, a mean significantly outside the bound); ``no effect at this
+power`` when neither does but the rule declares the smallest effect the claim asserts
+(``better(a, b, effect=e)``) and the one-sided t-test rejects a mean of ``e`` or more: an effect of
+the claimed size would have been detected, so its absence is a finding; ``inconclusive`` otherwise,
+with the pairs needed in both directions at the observed spread (power 0.8, ``kvbench.stats.power``;
+for a family at ``alpha / m``, Holm's first step): ``n to confirm`` (at the observed mean when it
+points the claim's way, else at the declared ``effect``, else infinite) and ``n to refute`` (at
+the observed mean when it points against the claim, else infinite); ``not run`` when the experiment
+has no runs for the model, an arm matches no configuration, fewer than 2 pairs are shared, or the
+stored pairs are too few for the rule's test to reach ``alpha`` at all (the sign-flip floor
+``kvbench.stats.min_p_sign_flip``; the declared node size is checked when the file is loaded,
+so this only happens with archives older than the node). A claim with several rules is
+``evidence against`` if any rule is, else ``no effect at this power``, ``not run``,
+``inconclusive``, ``reproduced`` in that order; a failed premise gives ``premise not met here`` and
+a floor ``not testable here`` whatever the rules say.
+
+Checked at declaration (``load_claims`` with ``conf_dir``): every rule can reach ``alpha`` at the
+node's size (``analysis.n`` per seed times its seeds): the exact sign-flip test's smallest p is
+``2 ** -n`` one-sided (two-sided for the cliff's grid points), times the Holm family size (the
+family's better/larger_gain rules; the node's ``analysis.grid`` for a cliff). A rule that cannot
+is a schema error naming the pairs it needs.
 
 Differences are oriented so that positive means the first arm is better (lower is better for
 perplexity and errors, as in ``kvbench.analysis.frame.higher_is_better``); the measured text shows
@@ -85,6 +113,8 @@ from kvbench.stats import (
     compare,
     holm,
     locate_cliff,
+    min_n_sign_flip,
+    min_p_sign_flip,
     min_pairs_sign_flip,
     n_for_difference,
     n_from_pilot,
@@ -93,9 +123,31 @@ from kvbench.stats import (
 )
 
 PAPERS = ("kivi", "intactkv", "kvquant", "ott", "readkv", "semkv", "specache")
-VERDICTS = ("reproduced", "not reproduced", "inconclusive", "not run", "not testable here")
+VERDICTS = (
+    "reproduced",
+    "evidence against",
+    "no effect at this power",
+    "inconclusive",
+    "premise not met here",
+    "not run",
+    "not testable here",
+)
 REQUIRED = ("id", "paper", "where", "statement", "published", "experiment")
-OPTIONAL = ("metric", "arms", "rule", "family", "pending", "untestable", "floor", "note")
+OPTIONAL = (
+    "metric",
+    "arms",
+    "rule",
+    "family",
+    "pending",
+    "untestable",
+    "floor",
+    "premise",
+    "proxy",
+    "task_claim",
+    "quote",
+    "note",
+)
+PREMISE_KEYS = ("cliff_at_most", "experiment", "family", "reference", "why")
 OUTPUT_FIELDS = ("measured", "verdict", "source")
 SELECTOR_KEYS = ("label", "method", "bits", "config", "metric")
 DEFAULT_MODEL = "smollm2-135m"
@@ -106,8 +158,8 @@ _INTERVAL = re.compile(r"^\(\s*([-\d.]+)\s*,\s*([-\d.]+)\s*\]$")
 
 # kind: (arm arguments, other positional arguments, keyword arguments)
 RULES: dict[str, tuple[int, int, tuple[str, ...]]] = {
-    "better": (2, 0, ("metric",)),
-    "larger_gain": (4, 0, ("metric",)),
+    "better": (2, 0, ("metric", "effect")),
+    "larger_gain": (4, 0, ("metric", "effect")),
     "not_worse": (2, 0, ("margin", "metric")),
     "equivalent": (2, 0, ("margin", "metric")),
     "cliff_within": (2, 1, ("margin", "metric")),
@@ -116,6 +168,7 @@ RULES: dict[str, tuple[int, int, tuple[str, ...]]] = {
     "ratio": (2, 0, ("metric",)),
 }
 _NEEDS_MARGIN = ("not_worse", "equivalent")
+_SIGN_FLIP = ("better", "larger_gain")
 
 
 class ClaimsError(ValueError):
@@ -155,6 +208,10 @@ class Claim:
     pending: str | None = None
     untestable: str | None = None
     floor: Mapping[str, Any] | None = None
+    premise: tuple[Mapping[str, Any], ...] = ()
+    proxy: str | None = None
+    task_claim: str | None = None
+    quote: str | list[str] | None = None
     note: str | None = None
 
 
@@ -213,8 +270,9 @@ def parse_rule(cid: str, text: str, arms: Mapping[str, Any]) -> Rule:
         kwargs[kw.arg] = _constant(cid, kw.value, text)
     if kind in _NEEDS_MARGIN and "margin" not in kwargs:
         raise ClaimsError(cid, "rule", f"{text!r}: {kind} needs margin=...")
-    if "margin" in kwargs and not (isinstance(kwargs["margin"], (int, float)) and kwargs["margin"] > 0):
-        raise ClaimsError(cid, "rule", f"{text!r}: margin must be a positive number")
+    for key in ("margin", "effect"):
+        if key in kwargs and not (isinstance(kwargs[key], (int, float)) and kwargs[key] > 0):
+            raise ClaimsError(cid, "rule", f"{text!r}: {key} must be a positive number")
     if kind == "cliff_within" and (not isinstance(values[0], str) or not _INTERVAL.match(values[0])):
         raise ClaimsError(cid, "rule", f'{text!r}: the interval must be text like "(2.0, 2.322]"')
     if kind in ("at_least", "at_most") and not isinstance(values[0], (int, float)):
@@ -273,8 +331,16 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None) -> Claim:
         raise ClaimsError(cid, "paper", f"{entry['paper']!r} is not one of {', '.join(PAPERS)}")
     for key in ("where", "statement"):
         _text(cid, entry, key)
-    for key in ("metric", "note", "pending", "untestable", "family"):
+    for key in ("metric", "note", "pending", "untestable", "family", "proxy", "task_claim"):
         _text(cid, entry, key, allow_none=True)
+    quote = entry.get("quote")
+    quotes = quote if isinstance(quote, list) else [quote]
+    if quote is not None and not all(isinstance(q, str) and q.strip() for q in quotes):
+        raise ClaimsError(cid, "quote", f"must be the document's text (or a list of such), got {quote!r}")
+    if (entry.get("proxy") is None) != (entry.get("task_claim") is None):
+        raise ClaimsError(
+            cid, "task_claim", "a proxy rule needs the task-level claim beside it, and only a proxy names one"
+        )
     if entry["published"] is None or entry["published"] == "":
         raise ClaimsError(cid, "published", "the paper's value is required")
     untestable = entry.get("untestable")
@@ -282,7 +348,12 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None) -> Claim:
     if untestable is not None:
         if entry.get("rule") is not None or entry.get("arms") is not None:
             raise ClaimsError(cid, "rule", "an untestable claim declares no rule or arms")
-        return Claim(**{k: entry.get(k) for k in REQUIRED}, untestable=untestable, note=entry.get("note"))
+        return Claim(
+            **{k: entry.get(k) for k in REQUIRED},
+            untestable=untestable,
+            quote=entry.get("quote"),
+            note=entry.get("note"),
+        )
     arms = entry.get("arms")
     if not isinstance(arms, dict) or not arms:
         raise ClaimsError(cid, "arms", "a testable claim needs arms: {name: selector}")
@@ -306,6 +377,7 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None) -> Claim:
             raise ClaimsError(
                 cid, "floor", f"{floor!r}: expected {{arm: one of {', '.join(arms)}, above: a number}}"
             )
+    premise = _premise(cid, entry.get("premise"))
     experiment = entry["experiment"]
     if conf_dir is not None and entry.get("pending") is None:
         if not (Path(conf_dir) / "experiment" / f"{experiment}.yaml").is_file():
@@ -322,8 +394,74 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None) -> Claim:
         family=entry.get("family"),
         pending=entry.get("pending"),
         floor=floor,
+        premise=premise,
+        proxy=entry.get("proxy"),
+        task_claim=entry.get("task_claim"),
+        quote=entry.get("quote"),
         note=entry.get("note"),
     )
+
+
+def _premise(cid: str, value: Any) -> tuple[dict[str, Any], ...]:
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for i, item in enumerate(items):
+        where = f"premise[{i}]"
+        if not isinstance(item, dict) or set(item) != set(PREMISE_KEYS):
+            raise ClaimsError(cid, where, f"expected the keys {', '.join(PREMISE_KEYS)}, got {item!r}")
+        if isinstance(item["cliff_at_most"], bool) or not isinstance(item["cliff_at_most"], (int, float)):
+            raise ClaimsError(cid, where, f"cliff_at_most must be a bit width, got {item['cliff_at_most']!r}")
+        for key in ("experiment", "why"):
+            _text(cid, item, key)
+        out.append(
+            {
+                **item,
+                "family": _selector(cid, "family", item["family"]),
+                "reference": _selector(cid, "reference", item["reference"]),
+            }
+        )
+    return tuple(out)
+
+
+def _node_plan(conf_dir: Path, experiment: str) -> dict[str, Any]:
+    """The ``analysis`` block of an experiment node (its declared size and grid)."""
+    node = yaml.safe_load((Path(conf_dir) / "experiment" / f"{experiment}.yaml").read_text()) or {}
+    return node.get("analysis") or {}
+
+
+def _check_attainable(claims: list[Claim], conf_dir: Path) -> None:
+    """Every rule of every testable claim can reach its alpha at its node's declared size (see the
+    module docstring); a ClaimsError naming the pairs needed otherwise."""
+    families: dict[str, int] = {}
+    for c in claims:
+        families[c.family or c.id] = families.get(c.family or c.id, 0) + sum(
+            r.kind in _SIGN_FLIP for r in c.rules
+        )
+    for c in claims:
+        if c.untestable is not None or c.pending is not None or not c.rules:
+            continue
+        plan = _node_plan(conf_dir, c.experiment)
+        n = int(plan.get("n") or 0) * max(1, len(plan.get("seeds") or [0]))
+        alpha = float(plan.get("alpha") or ALPHA)
+        for rule in c.rules:
+            if rule.kind in _SIGN_FLIP:
+                m, two_sided, what = families[c.family or c.id], False, "Holm family"
+            elif rule.kind == "cliff_within":
+                m, two_sided, what = max(1, len(plan.get("grid") or [])), True, "grid points"
+            else:
+                continue  # t-tests reach any level with 2 pairs and some spread
+            floor = min_p_sign_flip(n, m, two_sided)
+            if floor >= alpha:
+                need = min_n_sign_flip(alpha, m, two_sided)
+                raise ClaimsError(
+                    c.id,
+                    "rule",
+                    f"{rule.text!r} can never reach alpha={alpha:g} at node {c.experiment}'s size: n={n} "
+                    f"pairs (analysis.n x seeds), {m} {what}, smallest attainable p {floor:.3g}; it "
+                    f"needs n >= {need} (resize the node or change the rule)",
+                )
 
 
 def load_claims(
@@ -345,6 +483,11 @@ def load_claims(
         if claim.id in seen:
             raise ClaimsError(claim.id, "id", "repeated")
         seen.add(claim.id)
+    for claim in claims:
+        if claim.task_claim is not None and claim.task_claim not in seen:
+            raise ClaimsError(claim.id, "task_claim", f"{claim.task_claim!r} is not a declared claim")
+    if conf_dir is not None:
+        _check_attainable(claims, Path(conf_dir))
     if require_all_papers:
         covered = {c.paper for c in claims}
         for paper in PAPERS:
@@ -431,21 +574,33 @@ def _pairs(rows: pd.DataFrame, metric: str, arm: str) -> dict[tuple, float]:
 
 @dataclass
 class Outcome:
-    """The result of one rule: verdict, what was measured (estimate, interval, pairs) and, when
-    inconclusive, the pairs needed."""
+    """The result of one rule: verdict, what was measured (estimate, interval, pairs, p-values)
+    and, when inconclusive, the pairs needed to confirm and to refute it."""
 
     rule: str
     verdict: str
     estimate: Any = None
     ci: tuple[float, float] | None = None
     n: int | None = None
-    n_needed: float | None = None
+    n_confirm: float | None = None
+    n_refute: float | None = None
     measured: str = ""
     reason: str = ""
     # one-sided p-values of better/larger_gain, Holm-adjusted across the family afterwards
     p_greater: float | None = None
     p_less: float | None = None
     diffs: np.ndarray | None = None
+    effect: float | None = None
+
+
+def _plan(d: np.ndarray, direction: str, alpha: float, sign_flip: bool = False) -> float:
+    """Pairs for a one-sided test of the mean of ``d`` in ``direction`` (``greater``/``less``) at
+    the observed mean and spread; infinite when the mean points the other way. A sign-flip test
+    never plans below the pairs at which it can reject at all."""
+    planned = n_from_pilot(d, direction, alpha=alpha, power=POWER)
+    if sign_flip and not math.isnan(planned) and not math.isinf(planned):
+        planned = max(planned, min_pairs_sign_flip(alpha))
+    return planned
 
 
 def _fmt(value: Any) -> str:
@@ -523,6 +678,7 @@ def _difference_outcome(ctx: _Context, rule: Rule) -> Outcome:
     rng = ctx.rng(rule)
     ci = bootstrap_ci(raw, level=1 - ctx.alpha, n_resamples=ctx.n_resamples, rng=rng)
     what = f"{rule.arms[0]} - {rule.arms[1]}" if rule.kind == "better" else "gain difference"
+    effect = rule.kwargs.get("effect")
     return Outcome(
         rule.text,
         "pending",
@@ -533,29 +689,53 @@ def _difference_outcome(ctx: _Context, rule: Rule) -> Outcome:
         p_greater=sign_flip_test(d, alternative="greater", rng=rng),
         p_less=sign_flip_test(d, alternative="less", rng=rng),
         diffs=d,
+        effect=None if effect is None else float(effect),
     )
 
 
 def _decide_family(outcomes: list[Outcome], alpha: float) -> None:
-    """Holm across a family's one-sided tests, then each verdict; the pairs needed are planned at
-    ``alpha / m``, the level of Holm's first step."""
+    """Holm across a family's one-sided tests (the claim's direction and the reverse), then each
+    verdict; the pairs needed are planned at ``alpha / m``, the level of Holm's first step. A
+    family whose pairs are too few for the exact test to reach alpha is ``not run``: its p-values
+    could never reject, so "inconclusive" would misstate it."""
     if not outcomes:
         return
+    m = len(outcomes)
     greater, _ = holm([o.p_greater for o in outcomes], alpha)
     less, _ = holm([o.p_less for o in outcomes], alpha)
-    level = alpha / len(outcomes)
+    level = alpha / m
     for o, pg, pl in zip(outcomes, greater, less, strict=True):
+        d = o.diffs
+        # the structural floor at this many pairs (ties only raise it, and more pairs lower it)
+        pairs = int(d.size)
+        o.measured += (
+            f", one-sided Holm p={_fmt(float(pg))} for the claim, {_fmt(float(pl))} against ({m} in family)"
+        )
+        floor = min_p_sign_flip(pairs, m)
         if pg < alpha:
             o.verdict = "reproduced"
         elif pl < alpha:
-            o.verdict = "not reproduced"
+            o.verdict = "evidence against"
+        elif floor >= alpha:
+            o.verdict = "not run"
+            o.reason = (
+                f"{o.rule}: {pairs} pairs in a Holm family of {m}: the smallest attainable p is "
+                f"{floor:.3g} >= alpha {alpha:g}, so no outcome could reject; it needs "
+                f"{min_n_sign_flip(alpha, m)} pairs"
+            )
+        elif o.effect is not None and _t_sides(d, o.effect)[1] < alpha:
+            o.verdict = "no effect at this power"
+            p_small = _t_sides(d, o.effect)[1]
+            o.measured += f"; an effect of {_fmt(o.effect)} or more is rejected (t-test p={_fmt(p_small)})"
         else:
             o.verdict = "inconclusive"
-            mean = float(o.diffs.mean())
-            planned = n_from_pilot(o.diffs, "greater" if mean >= 0 else "less", alpha=level, power=POWER)
-            # the t-test plan, but never fewer pairs than the exact sign-flip test needs to reject
-            o.n_needed = planned if math.isnan(planned) else max(planned, min_pairs_sign_flip(level))
-        o.measured += f", Holm p={_fmt(float(pg))} (one-sided, {len(outcomes)} in family)"
+            mean = float(d.mean())
+            if mean > 0 or o.effect is None:
+                o.n_confirm = _plan(d, "greater", level, sign_flip=True)
+            else:
+                o.n_confirm = n_from_pilot(d, "greater", alpha=level, power=POWER, delta=o.effect)
+                o.n_confirm = max(o.n_confirm, min_pairs_sign_flip(level))
+            o.n_refute = _plan(d, "less", level, sign_flip=True)
 
 
 def _margin_outcome(ctx: _Context, rule: Rule) -> Outcome:
@@ -568,33 +748,35 @@ def _margin_outcome(ctx: _Context, rule: Rule) -> Outcome:
     tost = tost_equivalence(d, margin, alpha)
     mean = float(d.mean())
     out = Outcome(rule.text, "inconclusive", float(raw.mean()), ci, int(d.size))
-    if rule.kind == "not_worse":
-        p_inferior = _t_sides(d, -margin)[1]
-        out.measured = (
-            f"{rule.arms[0]} - {rule.arms[1]} = {_fmt(out.estimate)}{_ci_text(ci)} {metric}, n={d.size}"
-        )
-        out.measured += f", non-inferiority p={_fmt(tost['p_lower'])} at margin {_fmt(margin)}"
-        if tost["p_lower"] < alpha:
-            out.verdict = "reproduced"
-        elif p_inferior < alpha:
-            out.verdict = "not reproduced"
-        else:
-            kind = "noninferiority" if mean > -margin else "inferiority"
-            out.n_needed = n_from_pilot(d, kind, margin=margin, alpha=alpha, power=POWER)
-        return out
-    above, below = _t_sides(d, margin)[0], _t_sides(d, -margin)[1]
     out.measured = (
         f"{rule.arms[0]} - {rule.arms[1]} = {_fmt(out.estimate)}{_ci_text(ci)} {metric}, n={d.size}"
     )
-    out.measured += f", TOST p={_fmt(tost['p'])} at margin {_fmt(margin)}"
+    if rule.kind == "not_worse":
+        p_inferior = _t_sides(d, -margin)[1]
+        out.measured += (
+            f", non-inferiority p={_fmt(tost['p_lower'])}, inferiority p={_fmt(p_inferior)}"
+            f" at margin {_fmt(margin)}"
+        )
+        if tost["p_lower"] < alpha:
+            out.verdict = "reproduced"
+        elif p_inferior < alpha:
+            out.verdict = "evidence against"
+        else:
+            out.n_confirm = n_from_pilot(d, "noninferiority", margin=margin, alpha=alpha, power=POWER)
+            out.n_refute = n_from_pilot(d, "inferiority", margin=margin, alpha=alpha, power=POWER)
+        return out
+    above, below = _t_sides(d, margin)[0], _t_sides(d, -margin)[1]
+    p_outside = min(1.0, 2 * min(above, below))  # Bonferroni over the two sides
+    out.measured += f", TOST p={_fmt(tost['p'])}, outside-margin p={_fmt(p_outside)} at margin {_fmt(margin)}"
     if tost["equivalent"]:
         out.verdict = "reproduced"
-    elif min(above, below) * 2 < alpha:  # outside the margin on either side (Bonferroni over two)
-        out.verdict = "not reproduced"
-    elif abs(mean) < margin:
-        out.n_needed = n_from_pilot(d, "equivalence", margin=margin, alpha=alpha, power=POWER)
+    elif p_outside < alpha:
+        out.verdict = "evidence against"
     else:
-        out.n_needed = n_for_difference(abs(mean) - margin, float(d.std(ddof=1)), alpha / 2, POWER)
+        out.n_confirm = n_from_pilot(d, "equivalence", margin=margin, alpha=alpha, power=POWER)
+        excess = abs(mean) - margin
+        sd = float(d.std(ddof=1))
+        out.n_refute = n_for_difference(excess, sd, alpha / 2, POWER) if excess > 0 else math.inf
     return out
 
 
@@ -628,80 +810,120 @@ def _bound_outcome(ctx: _Context, rule: Rule) -> Outcome:
         measured = f"mean {metric} of {arm} = {_fmt(estimate)}{_ci_text(ci)}, n={values.size}"
         measured += f", claim {sign} {_fmt(bound)}"
     p_support, p_against = _t_sides(d)
+    measured += f", one-sided t p={_fmt(p_support)} for the claim, {_fmt(p_against)} against"
     out = Outcome(rule.text, "inconclusive", estimate, ci, int(d.size), measured=measured)
     if p_support < alpha:
         out.verdict = "reproduced"
     elif p_against < alpha:
-        out.verdict = "not reproduced"
+        out.verdict = "evidence against"
     else:
-        out.n_needed = n_from_pilot(d, "greater" if d.mean() >= 0 else "less", alpha=alpha, power=POWER)
+        out.n_confirm = _plan(d, "greater", alpha)
+        out.n_refute = _plan(d, "less", alpha)
     return out
 
 
-def _cliff_outcome(ctx: _Context, rule: Rule) -> Outcome:
-    """cliff_within: every grid point of the family is compared with the reference through
-    ``kvbench.stats.compare`` (paired sign-flip, Holm over the grid, TOST at the margin)."""
-    family, reference = rule.arms
-    metric = ctx.metric(rule, family)
-    fam, ref = ctx.rows(family), ctx.rows(reference)
+def _cliff_table(
+    fam: pd.DataFrame,
+    ref: pd.DataFrame,
+    metric: str,
+    higher: bool,
+    margin: float | None,
+    alpha: float,
+    seed: int,
+    n_resamples: int,
+) -> pd.DataFrame:
+    """Every grid point of a family against the reference (``kvbench.stats.compare``: paired
+    sign-flip, Holm over the grid, TOST at the margin), one row per bit width."""
     if fam["bits"].isna().any() or fam.groupby("method")["bits"].nunique().gt(1).any():
-        raise NotRun(f"arm {family!r}: every configuration needs one bit width")
+        raise NotRun("every configuration of the family needs one bit width")
     if ref["method"].nunique() > 1:
-        raise NotRun(f"arm {reference!r} matches several configurations; narrow it")
-    lo, hi = (float(v) for v in _INTERVAL.match(rule.args[0]).groups())
-    margin = rule.kwargs.get("margin", ctx.plan.get("margin"))
-    margin = None if margin is None or (isinstance(margin, float) and math.isnan(margin)) else float(margin)
-    ref_label = ref["method"].iloc[0]
+        raise NotRun("the reference matches several configurations; narrow it")
     data = pd.concat([fam, ref])
     data = data.assign(_value=metric_values(data, metric)).dropna(subset=["_value"])
     table = compare(
         data[["method", "bits", "_value", *PAIR_KEYS]],
         "_value",
-        reference=ref_label,
+        reference=ref["method"].iloc[0],
         by=("method", "bits"),
-        higher_is_better=ctx.higher_is_better(metric),
+        higher_is_better=higher,
         margin=margin,
-        alpha=ctx.alpha,
-        seed=ctx.seed,
-        n_resamples=ctx.n_resamples,
+        alpha=alpha,
+        seed=seed,
+        n_resamples=n_resamples,
         missing="intersect",
     )
     if table.empty or table["n"].min() < 2:
-        raise NotRun(f"fewer than 2 pairs with {reference!r} at some grid point")
+        raise NotRun("fewer than 2 pairs with the reference at some grid point")
+    return table
+
+
+def _cliff_outcome(ctx: _Context, rule: Rule) -> Outcome:
+    """cliff_within: every grid point of the family is compared with the reference through
+    ``_cliff_table``; a grid whose pairs are too few for the two-sided exact test to reach alpha
+    after Holm is ``not run`` (no point could ever be shown worse)."""
+    family, reference = rule.arms
+    metric = ctx.metric(rule, family)
+    fam, ref = ctx.rows(family), ctx.rows(reference)
+    lo, hi = (float(v) for v in _INTERVAL.match(rule.args[0]).groups())
+    margin = rule.kwargs.get("margin", ctx.plan.get("margin"))
+    margin = None if margin is None or (isinstance(margin, float) and math.isnan(margin)) else float(margin)
+    try:
+        table = _cliff_table(
+            fam, ref, metric, ctx.higher_is_better(metric), margin, ctx.alpha, ctx.seed, ctx.n_resamples
+        )
+    except NotRun as err:
+        raise NotRun(f"{family} against {reference}: {err}") from None
     cliff = locate_cliff(table, bits_col="bits", verdict_col="verdict")
     high = table[table["bits"] >= hi - 1e-9]
     at_lo = table[table["bits"] <= lo + 1e-9].sort_values("bits").tail(1)
     grid = " ".join(f"{b:g}:{v}" for b, v in zip(table["bits"], table["verdict"], strict=True))
     bracket = cliff.interval or ("below the grid" if cliff.first_bad_bits is None else "above the grid")
-    n = int(table["n"].min())
+    n, points = int(table["n"].min()), len(table)
     out = Outcome(rule.text, "inconclusive", bracket, None, n)
-    out.measured = f"cliff {bracket} on {metric}, n={n} per point; {grid}"
+    p_worst = float(table["p_holm"].min())
+    out.measured = f"cliff {bracket} on {metric}, n={n} per point; {grid}; smallest Holm p={_fmt(p_worst)}"
+    floor = min_p_sign_flip(n, points, two_sided=True)
     holds = (high["verdict"] == "equivalent") if margin is not None else (high["verdict"] != "worse")
     # A refutation needs only one side of the interval on the grid, so it is checked first.
     if (high["verdict"] == "worse").any() or at_lo["verdict"].isin(["equivalent", "better"]).any():
-        out.verdict = "not reproduced"
-    elif not (np.isclose(table["bits"], hi).any() and np.isclose(table["bits"], lo).any()):
+        out.verdict = "evidence against"
+        return out
+    if not (np.isclose(table["bits"], hi).any() and np.isclose(table["bits"], lo).any()):
         # Without grid points at both ends the runs cannot place the cliff inside the interval.
         grid_text = " ".join(f"{b:g}" for b in table["bits"])
         raise NotRun(f"the grid ({grid_text}) lacks a point at {hi:g} or at {lo:g}")
-    elif holds.all() and (at_lo["verdict"] == "worse").all():
+    if holds.all() and (at_lo["verdict"] == "worse").all():
         out.verdict = "reproduced"
-    else:
-        needed = []
-        ref_pairs = _pairs(ref, metric, reference)
-        sign = 1.0 if ctx.higher_is_better(metric) else -1.0
-        for row in pd.concat([high[~holds], at_lo[at_lo["verdict"] != "worse"]]).itertuples():
-            pairs = _pairs(fam[fam["method"] == row.method], metric, family)
-            keys = sorted(pairs.keys() & ref_pairs.keys())
-            d = sign * np.array([pairs[k] - ref_pairs[k] for k in keys])
-            if row.bits >= hi - 1e-9 and margin is not None:
-                needed.append(n_from_pilot(d, "equivalence", margin=margin, alpha=ctx.alpha, power=POWER))
-            else:
-                level = ctx.alpha / len(table)
-                needed.append(
-                    n_from_pilot(d, "less" if d.mean() <= 0 else "greater", alpha=level, power=POWER)
-                )
-        out.n_needed = max(needed) if needed else math.nan
+        return out
+    if floor >= ctx.alpha:
+        need = min_n_sign_flip(ctx.alpha, points, two_sided=True)
+        raise NotRun(
+            f"n={n} pairs per point on a {points}-point Holm grid: the smallest attainable p is {floor:.3g} "
+            f">= alpha {ctx.alpha:g}, so no point can be shown worse; the rule needs {need} pairs per "
+            f"point (rerun {ctx.claim.experiment} at its declared size)"
+        )
+    ref_pairs = _pairs(ref, metric, reference)
+    sign = 1.0 if ctx.higher_is_better(metric) else -1.0
+    level = ctx.alpha / points
+
+    def diffs(row) -> np.ndarray:
+        pairs = _pairs(fam[fam["method"] == row.method], metric, family)
+        keys = sorted(pairs.keys() & ref_pairs.keys())
+        return sign * np.array([pairs[k] - ref_pairs[k] for k in keys])
+
+    confirm, refute = [], []
+    for row in high.itertuples():
+        d = diffs(row)
+        if margin is not None:
+            confirm.append(n_from_pilot(d, "equivalence", margin=margin, alpha=ctx.alpha, power=POWER))
+        refute.append(_plan(d, "less", level, sign_flip=True))  # a point >= hi shown worse
+    for row in at_lo.itertuples():
+        d = diffs(row)
+        confirm.append(_plan(d, "less", level, sign_flip=True))  # the point at lo shown worse
+        if margin is not None:
+            refute.append(n_from_pilot(d, "equivalence", margin=margin, alpha=ctx.alpha, power=POWER))
+    out.n_confirm = max(confirm) if confirm else math.nan
+    out.n_refute = min(refute) if refute else math.inf
     return out
 
 
@@ -715,7 +937,7 @@ _EVALUATORS = {
     "ratio": _bound_outcome,
     "cliff_within": _cliff_outcome,
 }
-_ORDER = ("not reproduced", "not run", "inconclusive", "reproduced")
+_ORDER = ("evidence against", "no effect at this power", "not run", "inconclusive", "reproduced")
 
 
 @dataclass
@@ -731,10 +953,31 @@ class ClaimResult:
         ns = [o.n for o in self.outcomes if o.n is not None]
         return min(ns) if ns else None
 
+    def _open(self, attr: str) -> list[float]:
+        return [
+            getattr(o, attr)
+            for o in self.outcomes
+            if o.verdict == "inconclusive"
+            and getattr(o, attr) is not None
+            and not math.isnan(getattr(o, attr))
+        ]
+
     @property
-    def n_needed(self) -> float | None:
-        ns = [o.n_needed for o in self.outcomes if o.verdict == "inconclusive" and o.n_needed is not None]
-        return max(ns) if ns else None
+    def n_confirm(self) -> float | None:
+        """Pairs for every open rule to reach the claim's side (the largest of them)."""
+        ns = self._open("n_confirm")
+        return max(ns) if ns and self.verdict == "inconclusive" else None
+
+    @property
+    def n_refute(self) -> float | None:
+        """Pairs for one open rule to be shown the other way (the smallest of them)."""
+        ns = self._open("n_refute")
+        return min(ns) if ns and self.verdict == "inconclusive" else None
+
+    @property
+    def shown_verdict(self) -> str:
+        """The verdict as the page prints it: a proxy rule's says so."""
+        return f"{self.verdict} in proxy" if self.claim.proxy and self.verdict in _ORDER else self.verdict
 
     @property
     def measured(self) -> str:
@@ -762,6 +1005,45 @@ def _at_floor(ctx: _Context, claim: Claim, model: str) -> str | None:
         f"{arm} scores {values.mean():.4g} on {metric} over {len(values)} samples on {model}, at or "
         f"below the floor {above:g}: no method can be told apart from it there"
     )
+
+
+def _premise_failure(
+    claim: Claim, frames: Mapping[str, pd.DataFrame], model: str, alpha: float, seed: int, n_resamples: int
+) -> tuple[str, str] | None:
+    """``(verdict, reason)`` when a premise fails (``premise not met here``) or cannot be checked
+    (``not run``); None when every premise holds."""
+    for p in claim.premise:
+        frame = frames.get(p["experiment"])
+        sub = frame[frame["model"] == model] if frame is not None else None
+        if sub is None or sub.empty:
+            return "not run", f"premise: no runs of {p['experiment']} on {model} to measure the cliff"
+        fam, ref = select(sub, p["family"]), select(sub, p["reference"])
+        if fam.empty or ref.empty:
+            return "not run", f"premise: the family or reference matches no run of {p['experiment']}"
+        plan = plan_of(sub)
+        metric = plan["metric"]
+        higher = (
+            higher_is_better(metric) if plan.get("higher_is_better") is None else plan["higher_is_better"]
+        )
+        margin = plan.get("margin")
+        margin = (
+            None if margin is None or (isinstance(margin, float) and math.isnan(margin)) else float(margin)
+        )
+        try:
+            table = _cliff_table(fam, ref, metric, bool(higher), margin, alpha, seed, n_resamples)
+        except NotRun as err:
+            return "not run", f"premise: {p['experiment']}: {err}"
+        cliff = locate_cliff(table, bits_col="bits", verdict_col="verdict")
+        bound = float(p["cliff_at_most"])
+        bad_above = table[(table["bits"] >= bound - 1e-9) & (table["verdict"] == "worse")]
+        if len(bad_above):
+            where = cliff.interval or "above the grid"
+            return (
+                "premise not met here",
+                f"{p['why']}: {p['experiment']} places this model's cliff at {where} bits (worse than "
+                f"the reference at {', '.join(f'{b:g}' for b in bad_above['bits'])}), above {bound:g}",
+            )
+    return None
 
 
 def evaluate_claims(
@@ -802,6 +1084,10 @@ def evaluate_claims(
         if floor is not None:
             results.append(ClaimResult(claim, model, "not testable here", outcomes, floor))
             continue
+        premise = _premise_failure(claim, frames, model, alpha, seed, n_resamples)
+        if premise is not None:
+            results.append(ClaimResult(claim, model, premise[0], outcomes, premise[1]))
+            continue
         results.append(ClaimResult(claim, model, "", outcomes))
     for members in families.values():
         _decide_family(members, alpha)
@@ -821,24 +1107,34 @@ CLAIMS_COLUMNS = [
     "measured",
     "n",
     "verdict",
-    "n_needed",
+    "n_to_confirm",
+    "n_to_refute",
     "experiment",
     "rule",
 ]
 
 
+def _count(value: float | None) -> str | None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return "inf" if math.isinf(value) else str(int(value))
+
+
 def claims_table(results: list[ClaimResult]) -> pd.DataFrame:
     """One row per claim: id, paper, where, published, measured (each rule's estimate, interval,
-    pairs and test), n (fewest pairs of any rule), verdict, n_needed (pairs to settle an
-    inconclusive claim; ``inf`` when the observed effect is nil), experiment, rule (with the reason
-    for ``not run`` / ``not testable here``)."""
+    pairs and p-values), n (fewest pairs of any rule), verdict (``... in proxy`` for a proxy rule),
+    n_to_confirm / n_to_refute (pairs an inconclusive claim would need to be settled each way;
+    ``inf`` when the observed effect points the other way or is nil), experiment, rule (with the
+    reason for ``not run`` / ``premise not met here`` / ``not testable here``, and a proxy's
+    task-level claim)."""
     rows = []
     for r in results:
         c = r.claim
         rule = "; ".join(x.text for x in c.rules) if c.rules else "-"
-        if r.verdict in ("not run", "not testable here") and r.reason:
+        if r.verdict in ("not run", "not testable here", "premise not met here") and r.reason:
             rule = f"{rule} ({r.reason})" if c.rules else r.reason
-        n_needed = r.n_needed
+        if c.proxy:
+            rule += f" [proxy: {c.proxy}; task-level claim: {c.task_claim}]"
         rows.append(
             {
                 "id": c.id,
@@ -847,10 +1143,9 @@ def claims_table(results: list[ClaimResult]) -> pd.DataFrame:
                 "published": str(c.published),
                 "measured": r.measured if r.verdict not in ("not run", "not testable here") else "-",
                 "n": r.n,
-                "verdict": r.verdict,
-                "n_needed": None
-                if n_needed is None or (isinstance(n_needed, float) and math.isnan(n_needed))
-                else ("inf" if math.isinf(n_needed) else str(int(n_needed))),
+                "verdict": r.shown_verdict,
+                "n_to_confirm": _count(r.n_confirm),
+                "n_to_refute": _count(r.n_refute),
                 "experiment": c.experiment or "-",
                 "rule": rule,
             }

@@ -1,8 +1,11 @@
 """What the inconclusive claims would cost to settle: pairs needed against the time a pair takes.
 
-For each claim whose verdict is ``inconclusive``, the power calculation behind its verdict
-(``kvbench.stats.power``, at the observed mean difference and spread) gives ``n_needed`` pairs; the
-runs give what one pair costs: the mean wall seconds per sample (prefill + decode, the frame's
+For each claim whose verdict is ``inconclusive``, the power calculations behind its verdict
+(``kvbench.stats.power``, at the observed spread) give the pairs needed each way: ``n_to_confirm``
+(the claim's side, at the observed mean when it points that way, else at the rule's declared
+effect) and ``n_to_refute`` (the other side, at the observed mean when it points against the
+claim); the direction the data point decides which of the two is finite. The runs give what one
+pair costs: the mean wall seconds per sample (prefill + decode, the frame's
 ``seconds``) of each configuration the claim's rules compare, summed over those configurations
 (each counted once, though other claims may share it). Their product is the compute a settled verdict
 needs on the machine that made the runs, which says whether a larger CPU run can settle the claim
@@ -21,7 +24,17 @@ from kvbench.analysis.claims import ClaimResult, select
 # A working day on the machine that made the runs: the budget `make reproduce` is sized against.
 WORKING_DAY_H = 8.0
 
-COLUMNS = ["id", "experiment", "n", "n_needed", "s_per_pair", "hours_more", "fits_a_day"]
+COLUMNS = [
+    "id",
+    "experiment",
+    "n",
+    "n_to_confirm",
+    "hours_to_confirm",
+    "n_to_refute",
+    "hours_to_refute",
+    "s_per_pair",
+    "fits_a_day",
+]
 
 
 def _seconds_per_pair(result: ClaimResult, frame: pd.DataFrame) -> float:
@@ -39,36 +52,45 @@ def _seconds_per_pair(result: ClaimResult, frame: pd.DataFrame) -> float:
     return float(means.sum()) if len(means) else math.nan
 
 
+def _price(needed: float | None, n_now: int, per_pair: float) -> tuple[str, str, float]:
+    """``(pairs, hours, hours as a number)`` for one direction."""
+    if needed is None or math.isnan(needed):
+        return "-", "-", math.nan
+    if math.isinf(needed):
+        return "inf", "inf", math.inf
+    more = max(0, int(needed) - n_now)
+    hours = more * per_pair / 3600
+    return str(int(needed)), "-" if math.isnan(hours) else f"{hours:.3g}", hours
+
+
 def sizing_table(
     results: list[ClaimResult], frames: Mapping[str, pd.DataFrame], budget_hours: float = WORKING_DAY_H
 ) -> pd.DataFrame:
-    """One row per inconclusive claim: pairs now and needed, seconds per pair, the hours the missing
-    pairs would take on the machine of the runs, and whether that fits ``budget_hours``."""
+    """One row per inconclusive claim: pairs now, pairs needed to confirm and to refute it, the
+    hours the missing pairs would take on the machine of the runs, and whether the cheaper
+    direction fits ``budget_hours``."""
     rows = []
     for r in results:
-        if r.verdict != "inconclusive" or r.n_needed is None or math.isnan(r.n_needed):
+        if r.verdict != "inconclusive" or (r.n_confirm is None and r.n_refute is None):
             continue
         frame = frames.get(r.claim.experiment)
         sub = frame[frame["model"] == r.model] if frame is not None else None
         per_pair = _seconds_per_pair(r, sub) if sub is not None and not sub.empty else math.nan
         n_now = r.n or 0
-        if math.isinf(r.n_needed):
-            needed, hours, fits = "inf", "inf", "no"
-        else:
-            needed = str(int(r.n_needed))
-            more = max(0, int(r.n_needed) - n_now)
-            hours_value = more * per_pair / 3600
-            hours = "-" if math.isnan(hours_value) else f"{hours_value:.3g}"
-            fits = "-" if math.isnan(hours_value) else ("yes" if hours_value <= budget_hours else "no")
+        confirm, confirm_h, ch = _price(r.n_confirm, n_now, per_pair)
+        refute, refute_h, rh = _price(r.n_refute, n_now, per_pair)
+        cheapest = min((h for h in (ch, rh) if not math.isnan(h)), default=math.nan)
         rows.append(
             {
                 "id": r.claim.id,
                 "experiment": r.claim.experiment,
                 "n": n_now,
-                "n_needed": needed,
+                "n_to_confirm": confirm,
+                "hours_to_confirm": confirm_h,
+                "n_to_refute": refute,
+                "hours_to_refute": refute_h,
                 "s_per_pair": "-" if math.isnan(per_pair) else f"{per_pair:.3g}",
-                "hours_more": hours,
-                "fits_a_day": fits,
+                "fits_a_day": "-" if math.isnan(cheapest) else ("yes" if cheapest <= budget_hours else "no"),
             }
         )
     return pd.DataFrame(rows, columns=COLUMNS, dtype=object)

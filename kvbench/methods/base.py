@@ -77,12 +77,14 @@ class MethodConfig:
 
     def storage_backend(self) -> str:
         """Who quantizes and packs: ``backend``, with ``auto`` resolved to ``triton`` on a CUDA
-        machine with triton (for a method that implements it) and to ``torch`` otherwise."""
+        machine with triton (for a method that implements it) and otherwise left ``auto``: the
+        stores then append through the compiled CPU kernels where they cover the layout (on CPU
+        tensors; bit-identical to the torch reference) and through torch elsewhere."""
         if self.backend != "auto":
             return self.backend
         if "triton" in self.backends and torch.cuda.is_available() and triton_available():
             return "triton"
-        return "torch"
+        return "auto"
 
     def resolve_kv_bits(self) -> None:
         """Fill ``key_bits``/``value_bits`` (fields of methods that quantize keys and values

@@ -62,6 +62,7 @@ replaces the built-in causal rule of the current tokens. Rows that see no token 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -212,9 +213,19 @@ class _PackedSource(BlockSource):
         _check_packed(codes, levels, head_dim)
         self.codes, self.levels, self.head_dim = codes, levels, head_dim
         self.table = table
-        self.lookup = byte_lookup(levels, table, codes.device)
-        # the code values as float32 (for the folded paths, which feed codes straight to a matmul)
-        self.float_lookup = self.lookup if table is not None else _float_codes_lookup(levels, codes.device)
+
+    # Built on first use: a source is made every decode step, and the compiled kernels, which
+    # read the bytes themselves, never need these tables.
+    @functools.cached_property
+    def lookup(self) -> torch.Tensor | None:
+        return byte_lookup(self.levels, self.table, self.codes.device)
+
+    @functools.cached_property
+    def float_lookup(self) -> torch.Tensor | None:
+        """The code values as float32 (for the folded paths, which feed codes straight to a matmul)."""
+        if self.table is not None:
+            return self.lookup
+        return _float_codes_lookup(self.levels, self.codes.device)
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,8 @@ from kvbench.stats.paired import (
     win_rate,
 )
 from kvbench.stats.power import (
+    min_n_sign_flip,
+    min_p_sign_flip,
     min_pairs_sign_flip,
     n_for_difference,
     n_for_equivalence,
@@ -46,6 +48,8 @@ __all__ = [
     "n_for_difference",
     "n_for_equivalence",
     "n_for_noninferiority",
+    "min_n_sign_flip",
+    "min_p_sign_flip",
     "min_pairs_sign_flip",
     "n_from_pilot",
     "n_normal",

@@ -158,6 +158,37 @@ def min_pairs_sign_flip(alpha: float) -> int:
     return math.floor(math.log2(1 / alpha)) + 1
 
 
+def min_p_sign_flip(n: int, family: int = 1, two_sided: bool = False) -> float:
+    """The smallest Holm-adjusted p-value the sign-flip test of ``kvbench.stats.paired`` can give
+    with ``n`` nonzero pairs in a family of ``family`` tests: exact enumeration (n <= 20) gives at
+    best ``2 ** -n`` one-sided, ``2 ** (1 - n)`` two-sided; past 20 pairs the Monte Carlo p is at
+    least ``1 / (B + 1)`` with B = 10000 resamples. Holm multiplies the smallest p by the family
+    size, and when every member is at that floor each adjusted p is ``family`` times it. A rule
+    whose floor is not below alpha can never reject, whatever the data (1.0 for n < 1)."""
+    from kvbench.stats.paired import DEFAULT_RESAMPLES, EXACT_MAX_N
+
+    if n < 1:
+        return 1.0
+    if n <= EXACT_MAX_N:
+        floor = 2.0 ** (-n) * (2.0 if two_sided else 1.0)
+    else:
+        floor = 1.0 / (DEFAULT_RESAMPLES + 1)
+    return min(1.0, family * floor)
+
+
+def min_n_sign_flip(alpha: float, family: int = 1, two_sided: bool = False) -> int:
+    """The fewest pairs at which ``min_p_sign_flip`` falls below ``alpha`` (9 for a two-sided test
+    on a 7-point Holm grid at 0.05: 7 x 2 / 2**9 = 0.027)."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
+    n = 1
+    while min_p_sign_flip(n, family, two_sided) >= alpha:
+        n += 1
+        if n > 10_000:
+            return math.inf
+    return n
+
+
 def n_from_pilot(
     diffs: Sequence[float] | np.ndarray,
     kind: str,

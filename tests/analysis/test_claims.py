@@ -75,31 +75,31 @@ def _noise_diff():
 CASES = [
     # better: one-sided paired sign-flip, Holm in the claim's family
     ("better-yes", "better(chan, tok)", "reproduced"),
-    ("better-no", "better(tok, chan)", "not reproduced"),
+    ("better-no", "better(tok, chan)", "evidence against"),
     ("better-flat", "better(u4, u3)", "inconclusive"),
     # not_worse: the non-inferiority half of TOST
     ("nw-yes", "not_worse(ott, fp16, margin=0.1)", "reproduced"),
-    ("nw-no", "not_worse(u2, fp16, margin=0.1)", "not reproduced"),
+    ("nw-no", "not_worse(u2, fp16, margin=0.1)", "evidence against"),
     # equivalent: both halves
     ("eq-yes", "equivalent(u4, fp16, margin=0.1)", "reproduced"),
-    ("eq-no", "equivalent(u2, fp16, margin=0.1)", "not reproduced"),
+    ("eq-no", "equivalent(u2, fp16, margin=0.1)", "evidence against"),
     # cliff_within: uniform is equivalent to fp16 at 4 and 3 bits and worse at 2
     ("cliff-yes", 'cliff_within(uniform, fp16, "(2, 3]")', "reproduced"),
-    ("cliff-too-low", 'cliff_within(uniform, fp16, "(3, 4]")', "not reproduced"),
-    ("cliff-too-high", 'cliff_within(uniform, fp16, "(1, 2]")', "not reproduced"),
+    ("cliff-too-low", 'cliff_within(uniform, fp16, "(3, 4]")', "evidence against"),
+    ("cliff-too-high", 'cliff_within(uniform, fp16, "(1, 2]")', "evidence against"),
     ("cliff-off-grid", 'cliff_within(uniform, fp16, "(2, 2.5]")', "not run"),
-    ("cliff-holds-below", 'cliff_within(uniform, fp16, "(4, 5]")', "not reproduced"),
+    ("cliff-holds-below", 'cliff_within(uniform, fp16, "(4, 5]")', "evidence against"),
     # at_least / at_most: one-sample t-test against the bound
     ("al-yes", 'at_least(fp16, 0.9, metric="hit_rates.exact_topk.0.005")', "reproduced"),
-    ("al-no", 'at_least(fp16, 0.99, metric="hit_rates.exact_topk.0.005")', "not reproduced"),
+    ("al-no", 'at_least(fp16, 0.99, metric="hit_rates.exact_topk.0.005")', "evidence against"),
     ("am-yes", "at_most(h2o, 0.6)", "reproduced"),
     # ratio: mean(a) / mean(b) against the bound, paired
     ("ratio-yes", 'ratio(fp16, u4, metric="effective_bits") >= 3.0', "reproduced"),
-    ("ratio-no", 'ratio(fp16, u4, metric="effective_bits") >= 4.0', "not reproduced"),
+    ("ratio-no", 'ratio(fp16, u4, metric="effective_bits") >= 4.0', "evidence against"),
     ("ratio-le", 'ratio(u4, fp16, metric="effective_bits") <= 0.35', "reproduced"),
     # larger_gain: (chan - tok) - (ott - fp16) = fp16 score + 0.02 > 0
     ("gain-yes", "larger_gain(chan, tok, ott, fp16)", "reproduced"),
-    ("gain-no", "larger_gain(ott, fp16, chan, tok)", "not reproduced"),
+    ("gain-no", "larger_gain(ott, fp16, chan, tok)", "evidence against"),
     # arms with their own metric columns of one run
     ("columns", "better(topk, h2o)", "reproduced"),
     # selection failures are "not run"
@@ -114,8 +114,8 @@ def test_each_rule_kind_gives_the_built_in_verdict(frames, cid, rule, expected):
     assert result.verdict == expected, result.measured or result.reason
     if expected not in ("not run",):
         assert result.n == N_PAIRS
-    if expected == "reproduced" or expected == "not reproduced":
-        assert result.n_needed is None
+    if expected == "reproduced" or expected == "evidence against":
+        assert result.n_confirm is None and result.n_refute is None
 
 
 def test_estimates_are_computed_from_the_runs(frames):
@@ -150,12 +150,16 @@ def test_inconclusive_reports_the_pairs_needed(frames):
     )
     al = results["al"]
     assert al.verdict == "inconclusive"
-    assert al.n_needed == n_from_pilot(noise - target, "greater") > N_PAIRS
+    assert al.n_confirm == n_from_pilot(noise - target, "greater") > N_PAIRS
+    assert math.isinf(al.n_refute)  # the mean lies above the bound: no power to refute it
     nw = results["nw"]
     # fp16 - chan = -0.05 on every pair: below -margin with no spread, so it is decided
-    assert nw.verdict == "not reproduced"
+    assert nw.verdict == "evidence against"
     table = claims_table([al])
-    assert table.loc[0, "n_needed"] == str(int(al.n_needed)) and table.loc[0, "verdict"] == "inconclusive"
+    assert (
+        table.loc[0, "n_to_confirm"] == str(int(al.n_confirm)) and table.loc[0, "verdict"] == "inconclusive"
+    )
+    assert table.loc[0, "n_to_refute"] == "inf"
 
 
 def test_holm_across_the_family_can_turn_a_pass_inconclusive():
@@ -169,8 +173,9 @@ def test_holm_across_the_family_can_turn_a_pass_inconclusive():
     _decide_family(pair, 0.05)  # Holm: 0.03 * 2 = 0.06 > alpha, so neither is rejected
     assert [o.verdict for o in pair] == ["inconclusive", "inconclusive"]
     # planned at alpha / m, Holm's first step
-    assert pair[0].n_needed == n_from_pilot(diffs, "greater", alpha=0.025)
-    assert pair[0].n_needed > n_from_pilot(diffs, "greater", alpha=0.05)
+    assert pair[0].n_confirm == n_from_pilot(diffs, "greater", alpha=0.025)
+    assert pair[0].n_confirm > n_from_pilot(diffs, "greater", alpha=0.05)
+    assert math.isinf(pair[0].n_refute)
 
 
 def test_family_shared_between_claims(frames):
@@ -193,9 +198,10 @@ def test_a_claim_is_as_weak_as_its_weakest_rule(frames):
     )
     assert results["run-and-missing"].verdict == "not run"
     assert "arm 'turbo' matches no run" in results["run-and-missing"].reason
-    assert results["pass-and-fail"].verdict == "not reproduced"
+    assert results["pass-and-fail"].verdict == "evidence against"
     assert results["pass-and-open"].verdict == "inconclusive"
-    assert math.isinf(results["pass-and-open"].n_needed)  # no difference at all: never detectable
+    # no difference at all: never detectable either way
+    assert math.isinf(results["pass-and-open"].n_confirm) and math.isinf(results["pass-and-open"].n_refute)
 
 
 def test_not_run_without_runs_and_not_testable(frames):
@@ -242,12 +248,13 @@ def test_sizing_prices_the_pairs_an_inconclusive_claim_needs(frames):
     results = [r for r in _evaluate(timed, claims).values() if r.verdict == "inconclusive"]
     table = sizing_table(results, timed).set_index("id")
     nil = table.loc["nil"]
-    assert nil["n_needed"] == "inf" and nil["hours_more"] == "inf" and nil["fits_a_day"] == "no"
+    assert nil["n_to_confirm"] == "inf" and nil["hours_to_confirm"] == "inf" and nil["fits_a_day"] == "no"
+    assert nil["n_to_refute"] == "inf" and nil["hours_to_refute"] == "inf"
     assert nil["s_per_pair"] == "6"  # two configurations at 3 s each
     if "open" in table.index:
         row = table.loc["open"]
-        need = int(row["n_needed"])
-        assert float(row["hours_more"]) == pytest.approx(
+        need = int(row["n_to_confirm"])
+        assert float(row["hours_to_confirm"]) == pytest.approx(
             (need - row["n"]) * float(row["s_per_pair"]) / 3600, rel=1e-2
         )
 
@@ -341,7 +348,7 @@ def test_cli_computes_and_writes_the_verdict_table(tmp_path, capsys):
     args += ["--claims-file", str(claims), "--model", "tiny", "--resamples", "200"]
     assert report.main(args) == 0
     out = capsys.readouterr().out
-    assert "| cli-pass | semkv |" in out and "reproduced: 1; not reproduced: 1" in out
+    assert "| cli-pass | semkv |" in out and "reproduced: 1; evidence against: 1" in out
     md = (tmp_path / "results" / "claims" / "tiny.md").read_text()
     assert md.startswith("# Paper claims on tiny") and "| cli-fail |" in md
     assert (tmp_path / "results" / "claims" / "tiny.csv").exists()
@@ -352,3 +359,32 @@ def test_cli_computes_and_writes_the_verdict_table(tmp_path, capsys):
     assert report.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "claim 'bad' field 'verdict'" in err[0]
+
+
+def test_a_rule_that_can_never_reach_alpha_is_refused_at_declaration(tmp_path):
+    """The semkv_cliff node holds 9 pairs per grid point (3 per seed x 3 seeds): a cliff over its
+    7-point grid can reach 7 x 2 / 2**9 = 0.027; a family of 20 one-sided tests cannot
+    (20 / 2**9 = 0.039 reaches, 60 / 2**9 = 0.117 does not)."""
+    from kvbench.stats import min_n_sign_flip, min_p_sign_flip
+
+    assert min_p_sign_flip(6, 7, two_sided=True) == 7 * 2 / 64 and min_n_sign_flip(0.05, 7, True) == 9
+    assert min_p_sign_flip(6, 3) == 3 / 64 and min_n_sign_flip(0.05, 4) == 7
+    conf = REPO / "kvbench" / "conf"
+    path = tmp_path / "claims.yaml"
+    path.write_text(yaml.safe_dump({"claims": [_claim("cliff", 'cliff_within(uniform, fp16, "(2, 3]")')]}))
+    assert load_claims(path, conf_dir=conf, require_all_papers=False)
+    many = [_claim(f"c{i}", "better(chan, tok)", family="big") for i in range(60)]
+    path.write_text(yaml.safe_dump({"claims": many}))
+    with pytest.raises(ClaimsError, match=r"can never reach alpha=0.05 .* n=9 pairs .* needs n >= 11") as err:
+        load_claims(path, conf_dir=conf, require_all_papers=False)
+    assert err.value.field == "rule"
+
+
+def test_stored_pairs_below_the_floor_are_not_run_never_inconclusive():
+    """Archives older than a resized node: the family's test cannot reject at all, so the verdict
+    says so (not run, with the pairs it needs) instead of 'inconclusive'."""
+    diffs = np.array([0.1, 0.2, 0.15, 0.1])
+    family = [Outcome(f"r{i}", "pending", p_greater=1 / 16, p_less=1.0, diffs=diffs) for i in range(2)]
+    _decide_family(family, 0.05)
+    assert [o.verdict for o in family] == ["not run", "not run"]
+    assert "smallest attainable p is 0.125" in family[0].reason and "needs 6 pairs" in family[0].reason

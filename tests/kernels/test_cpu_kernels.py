@@ -154,7 +154,13 @@ def outliers(g, b, h, t, d, count):
 def test_codebook_codes(reader, levels):
     b, h, d = 1, 3, 64
     for seed, (kind, m, t) in enumerate(
-        [("token-scale", 3, 203), ("fixed-range", 1, 150), ("rotated", 4, 99), ("outliers", 3, 301)]
+        [
+            ("token-scale", 3, 203),
+            ("token-range", 4, 130),
+            ("fixed-range", 1, 150),
+            ("rotated", 4, 99),
+            ("outliers", 3, 301),
+        ]
     ):
         g, q, p = inputs(seed, b, h, m, t, d)
         codes = grown_view(random_codes(g, levels, b, h, t, d))
@@ -162,6 +168,9 @@ def test_codebook_codes(reader, levels):
         kw = {}
         if kind == "token-scale":
             kw["scale"] = grown_view(torch.rand(b, h, t, 1, generator=g).half() + 0.5)
+        if kind == "token-range":
+            kw["scale"] = grown_view(torch.rand(b, h, t, 1, generator=g).half() + 0.5)
+            kw["zero"] = grown_view(torch.randn(b, h, t, 1, generator=g).half())
         if kind in ("fixed-range", "outliers"):
             kw["scale"] = torch.rand(1, h, 1, d, generator=g) + 0.5
             kw["zero"] = torch.randn(1, h, 1, d, generator=g)
@@ -307,3 +316,33 @@ def test_auto_hashes_as_torch():
         for backend in ("auto", "torch", "triton")
     }
     assert ids["auto"] == ids["torch"] != ids["triton"]
+
+
+@pytest.mark.parametrize("arithmetic", ["fp32", "kivi"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_token_append_is_bit_identical_to_the_reference(reader, arithmetic, dtype):
+    """The compiled append (quantize + pack of new tokens, per-token groups) stores exactly the
+    reference's bytes, at every level count and group size, with constant groups and values on the
+    rounding boundaries among the inputs."""
+    from kvbench.quant.affine import quantize_grouped
+
+    k = reader.k
+    for seed, levels in enumerate([2, 3, 4, 5, 7, 8, 16, 17, 64, 256]):
+        for group in (8, 32, 64):
+            g = torch.Generator().manual_seed(seed * 100 + group)
+            x = (torch.randn(2, 3, 9, 64, generator=g) * 3).to(dtype)
+            x[0, 0, 0, :group] = 1.25  # a constant group: scale 0, codes 0
+            x[1, 2, 3] = torch.arange(64, dtype=dtype) % (levels + 1)  # codes on exact grid points and halves
+            zero_points = ["minmax", "specache"] if levels == 2 and arithmetic == "fp32" else ["minmax"]
+            for zp in zero_points:
+                where = f"L={levels} G={group} {arithmetic} {dtype} {zp} seed={seed}"
+                codes, scale, zero = quantize_grouped(
+                    x, levels, "token", group, zp, torch.float16, arithmetic
+                )
+                c, m = chunk_layout(levels)
+                got = k.token_quantize_pack(
+                    x, levels, group, int(arithmetic == "kivi"), int(zp == "specache"), torch.float16, c, m
+                )
+                assert torch.equal(got[0], pack(codes, levels)), f"{where}: codes differ"
+                assert got[1].dtype == scale.dtype and torch.equal(got[1], scale), f"{where}: scales differ"
+                assert got[2].dtype == zero.dtype and torch.equal(got[2], zero), f"{where}: zeros differ"

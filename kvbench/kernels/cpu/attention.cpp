@@ -515,6 +515,117 @@ struct FloatRows {
   }
 };
 
+// Codes of b = 1, 2, 4 or 8 bits (8 / b per byte) unpacked by vector shifts, 8 bytes at a time:
+// the 8 bytes are widened to 8 lanes and shift s keeps bits [b s, b s + b) of each, so output
+// vector (j, s) holds, in lane l, code (8 j + l) (8 / b) + s. That order is a permutation of the
+// row's channels within each 64 / b of them (:func:`shift_order`); the folded kernels apply it to
+// the query or the accumulator once instead of shuffling every row, so a row costs a load, one
+// widening and per 8 codes a shift, a mask and a conversion.
+struct ShiftRows {
+  View4 codes;
+  int bits = 2;
+  int64_t nbytes = 0, head_dim = 0;
+  std::vector<float> out;
+  int64_t b = 0, h = 0;
+
+  // codebook values of the codes (up to 16 levels, looked up in registers), or null for the codes
+  std::vector<float> table;
+
+  ShiftRows(const View4& codes_, int bits_, int64_t head_dim_, const float* table_ = nullptr)
+      : codes(codes_), bits(bits_), nbytes(head_dim_ * bits_ / 8), head_dim(head_dim_) {
+    out.resize(kSlots * head_dim + 8);
+    if (table_ != nullptr) {
+      table.assign(16, 0.f);
+      std::copy(table_, table_ + (1 << bits_), table.begin());
+    }
+  }
+  void bind(int64_t b_, int64_t h_) {
+    b = b_;
+    h = h_;
+  }
+#ifdef KVB_AVX2
+  // codes -> their values: the codes themselves, or the table's entries (two 8-entry halves)
+  template <bool LOOKUP>
+  inline __m256 value(__m256i c, __m256 lo, __m256 hi) const {
+    if constexpr (!LOOKUP) {
+      return _mm256_cvtepi32_ps(c);
+    } else {
+      const __m256 a = _mm256_permutevar8x32_ps(lo, c);
+      if (bits < 4) return a;
+      const __m256 b = _mm256_permutevar8x32_ps(hi, c);
+      return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7))));
+    }
+  }
+  template <int BITS, bool LOOKUP>
+  void unpack(const uint8_t* row, float* dst) const {
+    constexpr int per = 8 / BITS;
+    const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+    __m256 lo = _mm256_setzero_ps(), hi = lo;
+    if constexpr (LOOKUP) {
+      lo = _mm256_loadu_ps(table.data());
+      hi = _mm256_loadu_ps(table.data() + 8);
+    }
+    for (int64_t j = 0; j < nbytes; j += 8) {
+      const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j)));
+      float* o = dst + j * per;
+      if constexpr (BITS == 8) {
+        _mm256_storeu_ps(o, _mm256_cvtepi32_ps(x));
+      } else {
+        for (int s = 0; s < per; ++s)
+          _mm256_storeu_ps(o + 8 * s, value<LOOKUP>(_mm256_and_si256(_mm256_srli_epi32(x, BITS * s), mask), lo, hi));
+      }
+    }
+  }
+#endif
+  const float* operator()(int64_t t, int slot) {
+    const uint8_t* row = static_cast<const uint8_t*>(codes.at(b, h, t, 0));
+    float* dst = out.data() + slot * head_dim;
+#ifdef KVB_AVX2
+    if (!table.empty()) {
+      switch (bits) {
+        case 1: unpack<1, true>(row, dst); break;
+        case 2: unpack<2, true>(row, dst); break;
+        default: unpack<4, true>(row, dst); break;
+      }
+      return dst;
+    }
+    switch (bits) {
+      case 1: unpack<1, false>(row, dst); break;
+      case 2: unpack<2, false>(row, dst); break;
+      case 4: unpack<4, false>(row, dst); break;
+      default: unpack<8, false>(row, dst); break;
+    }
+#endif
+    return dst;
+  }
+};
+
+// Whether the shift unpacking serves these codes: b in {1, 2, 4, 8} (one code never straddles a
+// byte), whole 8-byte groups per row, and a vector unit to run it.
+bool shift_unpackable(int64_t levels, int64_t head_dim, int64_t chunk_bytes) {
+#ifdef KVB_AVX2
+  if (chunk_bytes != 1 || (levels & (levels - 1)) != 0) return false;
+  const int bits = __builtin_ctzll(levels);
+  return (bits == 1 || bits == 2 || bits == 4 || bits == 8) && (head_dim * bits) % 64 == 0;
+#else
+  (void)levels;
+  (void)head_dim;
+  (void)chunk_bytes;
+  return false;
+#endif
+}
+
+// pos[d]: where channel d lands in a ShiftRows row (lane l of vector (j, s) holds channel
+// (8 j + l) (8 / b) + s, and that vector starts at position 8 (j (8 / b) + s)).
+std::vector<int64_t> shift_order(int bits, int64_t head_dim) {
+  const int64_t per = 8 / bits;
+  std::vector<int64_t> pos(head_dim);
+  for (int64_t j = 0; j < head_dim / (8 * per); ++j)
+    for (int64_t s = 0; s < per; ++s)
+      for (int64_t l = 0; l < 8; ++l) pos[(8 * j + l) * per + s] = 8 * (j * per + s) + l;
+  return pos;
+}
+
 at::Tensor check_rows(const at::Tensor& x, const char* name, int64_t B, int64_t H) {
   TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(x.dim() == 4 && x.size(0) == B && x.size(1) == H, name, " must be [B, H_kv, ., .]");
@@ -651,29 +762,31 @@ at::Tensor identity_table(int64_t levels) { return at::arange(levels, at::Tensor
 
 // Per-channel affine keys (KIVI's): x[t, d] = c[t, d] s[t / G, d] + z[t / G, d], so
 // q . x_t = (q * s_g) . c_t + q . z_g: the query is scaled once per group of G tokens and the codes
-// enter the dot product as they are.
-at::Tensor affine_channel_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& scale,
-                                 const at::Tensor& zero, int64_t levels, int64_t head_dim,
-                                 int64_t chunk_codes, int64_t chunk_bytes, int64_t group) {
-  const int64_t B = query.size(0), H = query.size(1), M = query.size(2), D = head_dim, T = codes.size(2);
-  TORCH_CHECK(query.size(3) == D && group > 0, "query must be [B, H_kv, M, head_dim]");
-  auto q = check_rows(query, "query", B, H);
-  CodeTables tables = make_tables(identity_table(levels), levels, chunk_codes, chunk_bytes);
-  const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
-  const View4 sv(scale), zv(zero);
-  TORCH_CHECK(sv.cols == D && sv.rows * group >= T, "scale must be [B, H_kv, T / G, D]");
+// enter the dot product as they are. `pos` places channel d where the row decoder puts it.
+template <class Rows>
+at::Tensor channel_scores(const at::Tensor& q, const Rows& proto, const std::vector<int64_t>& pos,
+                          const View4& sv, const View4& zv, int64_t T, int64_t group) {
+  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3);
   auto out = at::empty({B, H, M, T}, q.options());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t chunks = (T + kChunk - 1) / kChunk;
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    CodeRows rows = proto;
-    std::vector<float> qs(M * D), qz(M), sr(D), zr(D);
+    Rows rows = proto;
+    // the query in the decoder's channel order, the group's scale row in that order and the
+    // scaled query; the zero term is a plain dot product (its order does not matter)
+    std::vector<float> qperm(M * D), qs(M * D), qz(M), sr(D), srp(D), zr(D);
+    int64_t bound = -1;
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
       rows.bind(b, h);
       const float* qb = qp + bh * M * D;
       float* ob = op + bh * M * T;
+      if (bh != bound) {
+        bound = bh;
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t d = 0; d < D; ++d) qperm[m * D + pos[d]] = qb[m * D + d];
+      }
       const int64_t t1 = std::min(T, (c + 1) * kChunk);
       int64_t g = -1;
       for (int64_t t = c * kChunk; t < t1;) {
@@ -681,12 +794,16 @@ at::Tensor affine_channel_scores(const at::Tensor& query, const at::Tensor& code
           g = t / group;
           load_floats(sv.at(b, h, g, 0), sv.type, sv.sd, D, sr.data());
           load_floats(zv.at(b, h, g, 0), zv.type, zv.sd, D, zr.data());
+          for (int64_t d = 0; d < D; ++d) srp[pos[d]] = sr[d];
           for (int64_t m = 0; m < M; ++m) {
+            const float* qm = qb + m * D;
+            const float* qpm = qperm.data() + m * D;
+            float* qsm = qs.data() + m * D;
             float acc = 0.f;
-            for (int64_t d = 0; d < D; ++d) {
-              qs[m * D + d] = qb[m * D + d] * sr[d];
-              acc += qb[m * D + d] * zr[d];
-            }
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) qsm[d] = qpm[d] * srp[d];
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < D; ++d) acc += qm[d] * zr[d];
             qz[m] = acc;
           }
         }
@@ -706,41 +823,66 @@ at::Tensor affine_channel_scores(const at::Tensor& query, const at::Tensor& code
   return out;
 }
 
-// Per-token affine values (KIVI's): x[t, d] = c[t, d] s[t, d / G] + z[t, d / G], so
-// sum_t p_t x_t = sum_t (p_t s_t,g) c_t + sum_t p_t z_t,g: the weights are scaled per token and
-// channel group, and the zero term is one number per (row, group).
-at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& scale,
-                            const at::Tensor& zero, int64_t levels, int64_t head_dim, int64_t chunk_codes,
-                            int64_t chunk_bytes, int64_t group) {
-  const int64_t B = weights.size(0), H = weights.size(1), M = weights.size(2), T = weights.size(3);
-  const int64_t D = head_dim;
-  TORCH_CHECK(codes.size(2) == T, "weights and codes disagree on T");
-  TORCH_CHECK(group > 0 && D % group == 0, "group must divide head_dim");
-  const int64_t ng = D / group;
-  auto p = check_rows(weights, "weights", B, H);
+std::vector<int64_t> identity_order(int64_t head_dim) {
+  std::vector<int64_t> pos(head_dim);
+  for (int64_t d = 0; d < head_dim; ++d) pos[d] = d;
+  return pos;
+}
+
+at::Tensor affine_channel_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& scale,
+                                 const at::Tensor& zero, int64_t levels, int64_t head_dim,
+                                 int64_t chunk_codes, int64_t chunk_bytes, int64_t group) {
+  const int64_t B = query.size(0), H = query.size(1), D = head_dim, T = codes.size(2);
+  TORCH_CHECK(query.size(3) == D && group > 0, "query must be [B, H_kv, M, head_dim]");
+  auto q = check_rows(query, "query", B, H);
+  const View4 sv(scale), zv(zero);
+  TORCH_CHECK(sv.cols == D && sv.rows * group >= T, "scale must be [B, H_kv, T / G, D]");
+  if (shift_unpackable(levels, D, chunk_bytes)) {
+    TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
+                "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
+    const int bits = __builtin_ctzll(levels);
+    return channel_scores(q, ShiftRows(View4(codes), bits, D), shift_order(bits, D), sv, zv, T, group);
+  }
   CodeTables tables = make_tables(identity_table(levels), levels, chunk_codes, chunk_bytes);
   const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
-  const View4 sv(scale), zv(zero);
-  TORCH_CHECK(sv.cols == ng && zv.cols == ng, "scale and zero must be [B, H_kv, T, D / G]");
+  return channel_scores(q, proto, identity_order(D), sv, zv, T, group);
+}
+
+// Per-token affine values (KIVI's): x[t, d] = c[t, d] s[t, d / G] + z[t, d / G], so
+// sum_t p_t x_t = sum_t (p_t s_t,g) c_t + sum_t p_t z_t,g: the weights are scaled per token and
+// channel group, and the zero term is one number per (row, group). The accumulator is kept in the
+// row decoder's channel order (`pos`; a permutation within each group) and put back in order once
+// per task.
+template <class Rows>
+at::Tensor token_mix(const at::Tensor& p, const Rows& proto, const std::vector<int64_t>& pos,
+                     const View4& sv, const View4& zv, int64_t D, int64_t group) {
+  const int64_t B = p.size(0), H = p.size(1), M = p.size(2), T = p.size(3);
+  const int64_t ng = D / group;
   const int64_t chunks = std::max<int64_t>(1, (T + kChunk - 1) / kChunk);
   auto partial = at::zeros({B * H, chunks, M, D}, p.options());
   const float* pp = p.data_ptr<float>();
   float* part = partial.data_ptr<float>();
   const bool vec = group % 8 == 0;
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    CodeRows rows = proto;
+    Rows rows = proto;
     // the chunk's scales and zeros as float32 [kChunk, ng], and the scaled weights p_t s_t,g
-    std::vector<float> sc(kChunk * ng), zc(kChunk * ng), wsc(M * kChunk * ng);
+    std::vector<float> sc(kChunk * ng), zc(kChunk * ng), wsc(M * kChunk * ng), accp(M * D);
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
       rows.bind(b, h);
       const float* pb = pp + bh * M * T;
-      float* acc = part + w * M * D;
+      float* out = part + w * M * D;
+      float* acc = accp.data();
+      std::fill(accp.begin(), accp.end(), 0.f);
       const int64_t t0 = c * kChunk, t1 = std::min(T, (c + 1) * kChunk), n = t1 - t0;
       if (n <= 0) continue;
-      for (int64_t u = 0; u < n; ++u) {
-        load_floats(sv.at(b, h, t0 + u, 0), sv.type, sv.sd, ng, sc.data() + u * ng);
-        load_floats(zv.at(b, h, t0 + u, 0), zv.type, zv.sd, ng, zc.data() + u * ng);
+      for (const auto& [view, dst] : {std::pair{&sv, sc.data()}, std::pair{&zv, zc.data()}}) {
+        if (view->sd == 1 && view->st == ng) {
+          // the chunk's rows are one run of n * ng values (the doubling buffers' layout)
+          load_floats(view->at(b, h, t0, 0), view->type, 1, n * ng, dst);
+        } else {
+          for (int64_t u = 0; u < n; ++u) load_floats(view->at(b, h, t0 + u, 0), view->type, view->sd, ng, dst + u * ng);
+        }
       }
       for (int64_t m = 0; m < M; ++m) {
         for (int64_t gi = 0; gi < ng; ++gi) {
@@ -750,6 +892,7 @@ at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, 
             wsc[(m * ng + gi) * kChunk + u] = pm * sc[u * ng + gi];
             zsum += pm * zc[u * ng + gi];
           }
+          // a group's positions are a permutation of its channels, so the zero term is the same
           for (int64_t d = gi * group; d < (gi + 1) * group; ++d) acc[m * D + d] += zsum;
         }
       }
@@ -788,9 +931,35 @@ at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, 
         }
         u += k;
       }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t d = 0; d < D; ++d) out[m * D + d] = acc[m * D + pos[d]];
     }
   });
   return partial.sum(1).view({B, H, M, D});
+}
+
+at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& scale,
+                            const at::Tensor& zero, int64_t levels, int64_t head_dim, int64_t chunk_codes,
+                            int64_t chunk_bytes, int64_t group) {
+  const int64_t B = weights.size(0), H = weights.size(1), T = weights.size(3);
+  const int64_t D = head_dim;
+  TORCH_CHECK(codes.size(2) == T, "weights and codes disagree on T");
+  TORCH_CHECK(group > 0 && D % group == 0, "group must divide head_dim");
+  auto p = check_rows(weights, "weights", B, H);
+  const View4 sv(scale), zv(zero);
+  TORCH_CHECK(sv.cols == D / group && zv.cols == D / group, "scale and zero must be [B, H_kv, T, D / G]");
+  if (shift_unpackable(levels, D, chunk_bytes)) {
+    const int bits = __builtin_ctzll(levels);
+    // a group must be whole 8-byte spans (64 / b channels) for the permutation to stay inside it
+    if (group % (64 / bits) == 0) {
+      TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
+                  "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
+      return token_mix(p, ShiftRows(View4(codes), bits, D), shift_order(bits, D), sv, zv, D, group);
+    }
+  }
+  CodeTables tables = make_tables(identity_table(levels), levels, chunk_codes, chunk_bytes);
+  const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
+  return token_mix(p, proto, identity_order(D), sv, zv, D, group);
 }
 
 at::Tensor fp_scores(const at::Tensor& query, const at::Tensor& keys) {
@@ -832,6 +1001,245 @@ at::Tensor code_mix(const at::Tensor& weights, const at::Tensor& codes, const at
   return with_code_rows(a, B, H, [&](const CodeRows& rows) { return run_mix(p, head_dim, rows); });
 }
 
+// Codebook codes with an optional per-token scale and zero (TurboQuant's norms, KVQuant's
+// per-token value ranges): x[t, d] = s_t table[c[t, d]] + z_t, so
+//   q . x_t = s_t (q . table[c_t]) + z_t sum(q)   and   sum_t p_t x_t = sum_t (p_t s_t) table[c_t] + sum_t p_t z_t.
+// The codes are unpacked by shifts and looked up in registers (ShiftRows); other layouts, level
+// counts above 16 and per-channel parameters go through code_scores / code_mix.
+bool codebook_foldable(int64_t levels, int64_t head_dim, int64_t chunk_bytes, const c10::optional<at::Tensor>& scale,
+                       const c10::optional<at::Tensor>& zero, int64_t T) {
+  if (!shift_unpackable(levels, head_dim, chunk_bytes) || levels > 16) return false;
+  for (const auto* p : {&scale, &zero})
+    if (p->has_value() && ((*p)->dim() != 4 || (*p)->size(3) != 1 || (*p)->size(2) != T)) return false;
+  return true;
+}
+
+// The per-token parameter of token t (1 or 0 when absent).
+struct TokenParam {
+  View4 view;
+  float fallback;
+  TokenParam(const c10::optional<at::Tensor>& p, float fallback_) : fallback(fallback_) {
+    if (p.has_value()) view = View4(*p);
+  }
+  float get(int64_t b, int64_t h, int64_t t) const {
+    if (!view.valid()) return fallback;
+    float v;
+    load_floats(view.at(b, h, t, 0), view.type, 1, 1, &v);
+    return v;
+  }
+};
+
+at::Tensor codebook_token_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& table,
+                                 const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+                                 int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes) {
+  const int64_t B = query.size(0), H = query.size(1), M = query.size(2), D = head_dim, T = codes.size(2);
+  if (!codebook_foldable(levels, D, chunk_bytes, scale, zero, T))
+    return code_scores(query, codes, table, scale, zero, levels, D, chunk_codes, chunk_bytes, 1, 1, c10::nullopt,
+                       c10::nullopt, 0);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
+              "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
+  auto q = check_rows(query, "query", B, H);
+  auto tab = table.to(at::kFloat).contiguous();
+  const int bits = __builtin_ctzll(levels);
+  const ShiftRows proto(View4(codes), bits, D, tab.data_ptr<float>());
+  const std::vector<int64_t> pos = shift_order(bits, D);
+  const TokenParam sp(scale, 1.f), zp(zero, 0.f);
+  auto out = at::empty({B, H, M, T}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t chunks = (T + kChunk - 1) / kChunk;
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
+    ShiftRows rows = proto;
+    std::vector<float> qperm(M * D), qsum(M);
+    int64_t bound = -1;
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
+      rows.bind(b, h);
+      const float* qb = qp + bh * M * D;
+      float* ob = op + bh * M * T;
+      if (bh != bound) {
+        bound = bh;
+        for (int64_t m = 0; m < M; ++m) {
+          float acc = 0.f;
+          for (int64_t d = 0; d < D; ++d) {
+            qperm[m * D + pos[d]] = qb[m * D + d];
+            acc += qb[m * D + d];
+          }
+          qsum[m] = acc;
+        }
+      }
+      const int64_t t0 = c * kChunk, t1 = std::min(T, (c + 1) * kChunk);
+      int64_t t = t0;
+      for (; t + kSlots <= t1; t += kSlots) {
+        const float* x[kSlots] = {rows(t, 0), rows(t + 1, 1), rows(t + 2, 2), rows(t + 3, 3)};
+        dot_rows4(qperm.data(), M, D, x, ob + t, T);
+      }
+      for (; t < t1; ++t) dot_rows(qperm.data(), M, D, rows(t, 0), ob + t, T);
+      if (sp.view.valid() || zp.view.valid()) {
+        for (int64_t u = t0; u < t1; ++u) {
+          const float s = sp.get(b, h, u), z = zp.get(b, h, u);
+          for (int64_t m = 0; m < M; ++m) ob[m * T + u] = s * ob[m * T + u] + z * qsum[m];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor codebook_token_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& table,
+                              const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+                              int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes) {
+  const int64_t B = weights.size(0), H = weights.size(1), M = weights.size(2), T = weights.size(3);
+  const int64_t D = head_dim;
+  TORCH_CHECK(codes.size(2) == T, "weights and codes disagree on T");
+  if (!codebook_foldable(levels, D, chunk_bytes, scale, zero, T))
+    return code_mix(weights, codes, table, scale, zero, levels, D, chunk_codes, chunk_bytes, 1, 1);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
+              "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
+  auto p = check_rows(weights, "weights", B, H);
+  auto tab = table.to(at::kFloat).contiguous();
+  const int bits = __builtin_ctzll(levels);
+  const ShiftRows proto(View4(codes), bits, D, tab.data_ptr<float>());
+  const std::vector<int64_t> pos = shift_order(bits, D);
+  const TokenParam sp(scale, 1.f), zp(zero, 0.f);
+  const int64_t chunks = std::max<int64_t>(1, (T + kChunk - 1) / kChunk);
+  auto partial = at::zeros({B * H, chunks, M, D}, p.options());
+  const float* pp = p.data_ptr<float>();
+  float* part = partial.data_ptr<float>();
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
+    ShiftRows rows = proto;
+    std::vector<float> ws(M * kChunk), accp(M * D), zsum(M);
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
+      rows.bind(b, h);
+      const float* pb = pp + bh * M * T;
+      const int64_t t0 = c * kChunk, t1 = std::min(T, (c + 1) * kChunk), n = t1 - t0;
+      if (n <= 0) continue;
+      std::fill(accp.begin(), accp.end(), 0.f);
+      std::fill(zsum.begin(), zsum.end(), 0.f);
+      // the weights scaled per token: ws[m * kChunk + u] = p[m, t0 + u] s_(t0 + u)
+      for (int64_t u = 0; u < n; ++u) {
+        const float s = sp.get(b, h, t0 + u), z = zp.get(b, h, t0 + u);
+        for (int64_t m = 0; m < M; ++m) {
+          const float pm = pb[m * T + t0 + u];
+          ws[m * kChunk + u] = pm * s;
+          zsum[m] += pm * z;
+        }
+      }
+      int64_t u = 0;
+      for (; u + kSlots <= n; u += kSlots) {
+        const float* x[kSlots] = {rows(t0 + u, 0), rows(t0 + u + 1, 1), rows(t0 + u + 2, 2), rows(t0 + u + 3, 3)};
+        axpy_rows4(ws.data() + u, kChunk, M, D, x, accp.data());
+      }
+      for (; u < n; ++u) axpy_rows(ws.data() + u, kChunk, M, D, rows(t0 + u, 0), accp.data());
+      float* out = part + w * M * D;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t d = 0; d < D; ++d) out[m * D + d] = accp[m * D + pos[d]] + zsum[m];
+    }
+  });
+  return partial.sum(1).view({B, H, M, D});
+}
+
+// v, hidden from the optimiser, so that no multiply-add is fused across it.
+inline float opaque(float v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("" : "+x"(v));
+#else
+  volatile float w = v;
+  v = w;
+#endif
+  return v;
+}
+
+// Round to the storage dtype and back, as torch does after every operation on Half or BFloat16.
+inline float round_to(at::ScalarType type, float x) {
+  if (type == at::kHalf) return static_cast<float>(c10::Half(x));
+  if (type == at::kBFloat16) return static_cast<float>(c10::BFloat16(x));
+  return x;
+}
+
+// Per-token affine quantization and packing of new tokens (the append of KIVI's value store),
+// bit-identical to kvbench.quant.affine.quantize_grouped(axis="token") followed by
+// kvbench.quant.packing.pack: each token's groups of G channels get s and z, codes are packed as
+// little-endian words of c base-L digits in m bytes.
+//   fp32 (arithmetic 0): float32 min/max; s = (max - min) / (L - 1) and z = min (minmax) or
+//     s = (max - min) / 2, z = (3 min + max) / 4 (specache), both rounded to `param` before
+//     q = clamp(floor((x - z) / s + 0.5), 0, L - 1) is computed against them; q = 0 where s = 0.
+//   kivi (arithmetic 1): every operation in x's dtype (rounded after each, as torch does for
+//     Half): s = (max - min) / (L - 1), q = round_half_even(clamp((x - min) / s, 0, L - 1));
+//     s and min kept in x's dtype.
+std::vector<at::Tensor> token_quantize_pack(const at::Tensor& x, int64_t levels, int64_t group,
+                                            int64_t arithmetic, int64_t specache, at::ScalarType param,
+                                            int64_t chunk_codes, int64_t chunk_bytes) {
+  TORCH_CHECK(x.dim() == 4 && x.device().is_cpu(), "x must be a CPU [B, H_kv, T, D] tensor");
+  const auto type = x.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kHalf || type == at::kBFloat16, "x must be a float tensor");
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  TORCH_CHECK(group > 0 && D % group == 0, "group must divide the head dim");
+  TORCH_CHECK(levels >= 2 && levels <= 256, "levels must be in 2..256");
+  const int64_t ng = D / group;
+  const int64_t chunks = (D + chunk_codes - 1) / chunk_codes;
+  const at::ScalarType kept = arithmetic == 1 ? type : param;
+  auto xf = x.to(at::kFloat).contiguous();
+  auto packed = at::zeros({B, H, T, chunks * chunk_bytes}, x.options().dtype(at::kByte));
+  auto scale = at::empty({B, H, T, ng}, x.options().dtype(at::kFloat));
+  auto zero = at::empty({B, H, T, ng}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* sp = scale.data_ptr<float>();
+  float* zp = zero.data_ptr<float>();
+  const float top = static_cast<float>(levels - 1);
+  at::parallel_for(0, B * H * T, 16, [&](int64_t lo_row, int64_t hi_row) {
+    std::vector<uint8_t> codes(chunks * chunk_codes);
+    for (int64_t r = lo_row; r < hi_row; ++r) {
+      const float* xr = xp + r * D;
+      std::fill(codes.begin(), codes.end(), 0);
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        const float* xg = xr + gi * group;
+        float lo = xg[0], hi = xg[0];
+        for (int64_t i = 1; i < group; ++i) {
+          lo = std::min(lo, xg[i]);
+          hi = std::max(hi, xg[i]);
+        }
+        float s, z;
+        if (arithmetic == 1) {
+          s = round_to(type, round_to(type, hi - lo) / top);
+          z = lo;
+          const float div = s == 0.f ? 1.f : s;
+          for (int64_t i = 0; i < group; ++i) {
+            float y = round_to(type, round_to(type, xg[i] - z) / div);
+            y = std::min(std::max(y, 0.f), top);
+            const float q = s == 0.f ? 0.f : std::nearbyint(round_to(type, y));
+            codes[gi * group + i] = static_cast<uint8_t>(q);
+          }
+        } else {
+          const float span = hi - lo;
+          s = round_to(param, specache ? span / 2.f : span / top);
+          // 3 min is rounded before max is added, as torch's two operations do (no fused multiply-add)
+          z = round_to(param, specache ? (opaque(3.f * lo) + hi) / 4.f : lo);
+          const float div = s == 0.f ? 1.f : s;
+          for (int64_t i = 0; i < group; ++i) {
+            const float y = (xg[i] - z) / div;
+            float q = std::floor(y + 0.5f);
+            q = std::min(std::max(q, 0.f), top);
+            codes[gi * group + i] = s == 0.f ? 0 : static_cast<uint8_t>(q);
+          }
+        }
+        sp[r * ng + gi] = s;
+        zp[r * ng + gi] = z;
+      }
+      uint8_t* out = pp + r * chunks * chunk_bytes;
+      for (int64_t j = 0; j < chunks; ++j) {
+        uint64_t word = 0, weight = 1;
+        for (int64_t i = 0; i < chunk_codes; ++i, weight *= static_cast<uint64_t>(levels))
+          word += codes[j * chunk_codes + i] * weight;
+        for (int64_t k = 0; k < chunk_bytes; ++k) out[j * chunk_bytes + k] = static_cast<uint8_t>(word >> (8 * k));
+      }
+    }
+  });
+  return {packed, scale.to(kept), zero.to(kept)};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp_scores", &fp_scores, "query [B,H,M,D] . full-precision keys [B,H,T,D] -> [B,H,M,T]");
   m.def("fp_mix", &fp_mix, "weights [B,H,M,T] x full-precision values [B,H,T,D] -> [B,H,M,D]");
@@ -839,4 +1247,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("code_mix", &code_mix, "weights x packed codes through table/scale/zero");
   m.def("affine_channel_scores", &affine_channel_scores, "query . per-channel affine codes (folded)");
   m.def("affine_token_mix", &affine_token_mix, "weights x per-token affine codes (folded)");
+  m.def("codebook_token_scores", &codebook_token_scores, "query . codebook codes with per-token scale/zero");
+  m.def("codebook_token_mix", &codebook_token_mix, "weights x codebook codes with per-token scale/zero");
+  m.def("token_quantize_pack", &token_quantize_pack, "per-token affine codes of new tokens, packed");
 }

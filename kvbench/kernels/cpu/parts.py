@@ -49,6 +49,12 @@ def _param_rows(x: torch.Tensor | None, tokens: int) -> int:
     return 0 if x is None or x.shape[-2] == 1 and tokens != 1 else 1
 
 
+def _per_token(x: torch.Tensor | None, tokens: int) -> bool:
+    """Whether a codebook scale/zero is absent or one number per token (``[B, H_kv, T, 1]``), the
+    case the folded codebook kernels take."""
+    return x is None or x.shape[-1] == 1 and x.shape[-2] == tokens
+
+
 def _on_cpu(*xs) -> bool:
     return all(x is None or x.device.type == "cpu" for x in xs)
 
@@ -98,6 +104,10 @@ class CompiledReader:
     def _codebook_scores(self, part: CodebookSource, query, rope: RoPESource | None):
         c, m = chunk_layout(part.levels)
         t = part.num_tokens
+        if rope is None and _per_token(part.scale, t) and _per_token(part.zero, t):
+            return self.k.codebook_token_scores(
+                query, part.codes, part.table, part.scale, part.zero, part.levels, part.head_dim, c, m
+            )
         cos = sin = None
         offset = 0
         if rope is not None:
@@ -135,10 +145,15 @@ class CompiledReader:
                 return None
             c, m = chunk_layout(part.levels)
             t = part.num_tokens
-            out = k.code_mix(
-                weights, part.codes, part.table, part.scale, part.zero, part.levels, part.head_dim, c, m,
-                _param_rows(part.scale, t), _param_rows(part.zero, t),
-            )  # fmt: skip
+            if _per_token(part.scale, t) and _per_token(part.zero, t):
+                out = k.codebook_token_mix(
+                    weights, part.codes, part.table, part.scale, part.zero, part.levels, part.head_dim, c, m
+                )
+            else:
+                out = k.code_mix(
+                    weights, part.codes, part.table, part.scale, part.zero, part.levels, part.head_dim, c, m,
+                    _param_rows(part.scale, t), _param_rows(part.zero, t),
+                )  # fmt: skip
             if part.rotation is not None:
                 out = torch.matmul(out, part.rotation)
             return out if part.outliers is None else _correct_mix(out, part, weights)

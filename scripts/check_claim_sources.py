@@ -1,0 +1,171 @@
+"""Check every claim's provenance against the source documents and record what matched.
+
+For each claim of ``results/claims.yaml`` (``kvbench.analysis.claims``):
+
+- ``quote`` (one text or a list) must occur verbatim, up to whitespace, in one document of
+  ``../shared/papers``: that document is the claim's source;
+- every label of ``where`` (``Fig. 4``, ``Table 2``, ``Sec. 1``, ``Appendix G``, ``Abstract``,
+  separated by ``,`` or ``/``) must occur in that document in one of the forms it uses (``图4``,
+  ``表6``, ``Figure 2``, ``第4.9节``, a ``## 1`` heading, ``摘要``...); ``where: summary`` names none;
+  a venue (ICML, NeurIPS, ACL...) must occur as written;
+- every number of ``published`` must occur in the quote's neighbourhood (its line and the lines
+  on either side), as the document writes it.
+
+The matches are written to ``tests/fixtures/claim_sources.json`` (document name, the matched
+sentence or number with a little context); ``tests/analysis/test_claim_sources.py`` holds
+``results/claims.yaml`` to that file, so a claim whose provenance was not checked fails CI. Tests
+never read ``../shared``; this script does, and is rerun whenever a claim's where, published or
+quote changes:
+
+    python scripts/check_claim_sources.py [--papers DIR] [--claims FILE] [--out FILE]
+
+Exit status 1, with one line per problem naming the claim and field, when anything does not match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+# the shared data folder (KVBENCH_DATA_DIR, else ../shared beside the checkout)
+DEFAULT_PAPERS = Path(os.environ.get("KVBENCH_DATA_DIR") or REPO.parent / "shared") / "papers"
+DEFAULT_OUT = REPO / "tests" / "fixtures" / "claim_sources.json"
+CONTEXT = 40  # characters kept either side of a matched label or number
+
+# A number as a claim states it: not part of a name such as "Llama-3.1-8B", "A100" or "INT4".
+NUMBER = re.compile(r"(?<![A-Za-z\d.\-_])\d+(?:\.\d+)?(?![\d]|\.\d|[A-WYZa-wyz_])")
+LABEL = re.compile(r"^(Fig\.|Figure|Table|Sec\.|Appendix|Algorithm)\s*([\dA-Z][\d.]*)$|^(Abstract)$")
+VENUE = re.compile(r"\b(ICML|NeurIPS|ICLR|ACL|EMNLP|NAACL|Findings)\b(?:\s+(?:of\s+ACL\s+)?\d{4})?")
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+def label_forms(kind: str, ident: str) -> list[str]:
+    """The ways a document may write one ``where`` label (English and Chinese)."""
+    if kind in ("Fig.", "Figure"):
+        return [f"图{ident}", f"图 {ident}", f"Figure {ident}", f"Fig {ident}", f"Fig. {ident}"]
+    if kind == "Table":
+        return [f"表{ident}", f"表 {ident}", f"Table {ident}"]
+    if kind == "Sec.":
+        return [f"第{ident}节", f"\n## {ident} ", f"\n### {ident} ", f"Section {ident}"]
+    if kind == "Appendix":
+        return [f"附录{ident}", f"Appendix {ident}", f"\n{ident} "]
+    if kind == "Algorithm":
+        return [f"Algorithm {ident}", f"算法{ident}"]
+    return ["摘要", "Abstract"]
+
+
+def _excerpt(text: str, start: int, end: int) -> str:
+    return re.sub(r"\s+", " ", text[max(0, start - CONTEXT) : end + CONTEXT]).strip()
+
+
+def _neighbourhood(text: str, quote: str) -> str:
+    """The lines around the quote's first occurrence (matched ignoring whitespace)."""
+    lines = text.splitlines()
+    target = _squash(quote)
+    for i in range(len(lines)):
+        window = "".join(lines[i : i + 6])
+        if target[: min(len(target), 30)] in _squash(window):
+            return "\n".join(lines[max(0, i - 1) : i + 7])
+    return ""
+
+
+def check_claim(claim: dict, documents: dict[str, str]) -> tuple[dict, list[str]]:
+    """The fixture entry of one claim and the problems found (empty when everything matched)."""
+    cid = claim.get("id", "?")
+    problems: list[str] = []
+    quotes = claim.get("quote")
+    quotes = quotes if isinstance(quotes, list) else [quotes] if quotes else []
+    if not quotes:
+        return {}, [f"claim {cid!r} field 'quote': missing (the document's own words the claim rests on)"]
+    homes = [name for name, text in documents.items() if all(_squash(q) in _squash(text) for q in quotes)]
+    if not homes:
+        return {}, [f"claim {cid!r} field 'quote': not found verbatim in any of {', '.join(documents)}"]
+    doc = homes[0]
+    text = documents[doc]
+    entry: dict = {
+        "id": cid,
+        "document": doc,
+        "quote": quotes,
+        "where": claim["where"],
+        "published": str(claim["published"]),
+        "labels": [],
+        "numbers": [],
+    }
+    where = str(claim["where"])
+    if where != "summary":
+        for part in (p.strip() for p in re.split(r"[,/]", where)):
+            match = LABEL.match(part)
+            if not match:
+                problems.append(
+                    f"claim {cid!r} field 'where': {part!r} is not a label such as 'Fig. 4' or 'Sec. 1'"
+                )
+                continue
+            kind, ident = (match.group(1), match.group(2)) if match.group(1) else ("Abstract", "")
+            hits = [(f, text.find(f)) for f in label_forms(kind, ident) if f in text]
+            if not hits:
+                problems.append(
+                    f"claim {cid!r} field 'where': {doc} contains no {part!r} "
+                    f"({' | '.join(label_forms(kind, ident))})"
+                )
+                continue
+            form, at = hits[0]
+            entry["labels"].append(
+                {"label": part, "form": form.strip(), "excerpt": _excerpt(text, at, at + len(form))}
+            )
+    for venue in VENUE.finditer(where + " " + str(claim["published"])):
+        if venue.group(0) not in text:
+            problems.append(f"claim {cid!r}: venue {venue.group(0)!r} does not occur in {doc}")
+    near = "\n".join(_neighbourhood(text, q) for q in quotes)
+    # a range ("2.35x-3.47x", "1.2-1.6x") states both ends
+    published = re.sub(r"(\d)(x?)-(\d)", r"\1\2 \3", str(claim["published"]))
+    for number in dict.fromkeys(NUMBER.findall(published)):
+        hit = re.search(rf"(?<![\d.]){re.escape(number)}(?![\d]|\.\d)", near)
+        if hit is None:
+            problems.append(
+                f"claim {cid!r} field 'published': {number} does not occur beside the quote in {doc}"
+            )
+            continue
+        entry["numbers"].append({"number": number, "excerpt": _excerpt(near, hit.start(), hit.end())})
+    return entry, problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--papers", default=str(DEFAULT_PAPERS))
+    parser.add_argument("--claims", default=str(REPO / "results" / "claims.yaml"))
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    args = parser.parse_args(argv)
+    papers = Path(args.papers)
+    documents = {p.name: p.read_text() for p in sorted(papers.glob("*.md")) if p.name != "README.md"}
+    if not documents:
+        print(f"--papers={papers}: no source documents (*.md) there", file=sys.stderr)
+        return 2
+    claims = yaml.safe_load(Path(args.claims).read_text())["claims"]
+    entries, problems = [], []
+    for claim in claims:
+        entry, found = check_claim(claim, documents)
+        problems += found
+        if entry:
+            entries.append(entry)
+    for line in problems:
+        print(line, file=sys.stderr)
+    if problems:
+        return 1
+    out = Path(args.out)
+    out.write_text(json.dumps({"claims": entries}, ensure_ascii=False, indent=1) + "\n")
+    print(f"{len(entries)} claims checked against {', '.join(documents)}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
