@@ -80,7 +80,29 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
     version = _method_version(method.get("name"))
     if version != 1:  # version 1 is every run made before versions existed: their ids stay
         core["method_version"] = version
+    if _packs_base_l(method):
+        # base-L packing changed its bytes at version 2; bit-packed configs keep their ids
+        from kvbench.quant.packing import PACKING_VERSION
+
+        core["packing_version"] = PACKING_VERSION
     return core
+
+
+def _packs_base_l(node: Any) -> bool:
+    """Whether a method node packs a level count that is not a power of two (base-L words)."""
+    from kvbench.config import build_config
+    from kvbench.errors import ConfigError
+    from kvbench.methods import METHODS
+    from kvbench.quant.packing import is_bit_packed
+
+    name = node.get("name") if isinstance(node, dict) else None
+    if not isinstance(name, str) or name not in METHODS:
+        return False
+    try:
+        config = build_config(METHODS.get(name).Config, node, "method")
+    except ConfigError:
+        return False  # the run itself reports the bad node
+    return any(not is_bit_packed(levels) for levels in config.stored_levels())
 
 
 def _method_version(name: Any) -> int:

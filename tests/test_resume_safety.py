@@ -75,6 +75,29 @@ def test_a_method_version_bump_is_a_new_run_id(monkeypatch):
     assert run_id(config) == before  # version 1 (every stored run) keeps its id
 
 
+@pytest.mark.parametrize(
+    ("node", "repacked"),
+    [
+        ({"name": "uniform", "bits": 2.322}, True),  # 5 levels: base-L words
+        ({"name": "uniform", "bits": 2.0}, False),  # bit packing never changed
+        ({"name": "kivi", "bits": 2.0, "key_bits": 1.585}, True),
+        ({"name": "kivi", "bits": 2.0}, False),
+        ({"name": "semkv", "bits": 2.39}, True),
+        ({"name": "turboquant", "bits": 3.0}, False),
+        ({"name": "intactkv", "bits": 2.585, "base": {"name": "uniform"}}, True),
+        ({"name": "fp16"}, False),
+    ],
+)
+def test_base_l_configs_carry_the_packing_version(node, repacked):
+    """Configs that pack a level count other than a power of two changed bytes with the packing's
+    version 2: their run id carries it, and every bit-packed config keeps its stored id."""
+    from kvbench.quant.packing import PACKING_VERSION
+    from kvbench.results import canonical_config
+
+    core = canonical_config({"method": node, "seed": 0})
+    assert core.get("packing_version") == (PACKING_VERSION if repacked else None), node
+
+
 def test_metrics_json_is_checked_against_its_rows(tmp_path, data_root, monkeypatch, capsys):
     cfg = tiny_config(tmp_path, data_root, KIVI)
     metrics = run_module.execute(cfg, progress=False)

@@ -15,6 +15,8 @@ Definitions (per run, summed over layers, keys and values together):
 - ``compression``: FP16 bytes of the same tokens over total bytes.
 - ``read_bits``: for methods that read less than they hold (ReadKV), payload bits read per stored
   value per decode query; None for methods that read everything they hold.
+- ``read_bytes_per_step``: for those methods, the bytes their decode reads move per step (summed
+  over layers, :meth:`KVLayer.read_traffic`); None for the others, which read what they hold.
 
 Device and host: ``bytes``, ``effective_bits`` and ``compression`` count what the accelerator holds
 (:meth:`KVLayer.held_tensors`; for every method that does not offload, that is everything). A layer
@@ -52,6 +54,8 @@ class MemoryReport:
     nominal_code_bits_sum: float = 0.0
     read_bits_sum: int = 0
     read_values: int = 0
+    read_steps: int = 0
+    read_bytes: int = 0
     host_bytes_by_component: dict[str, int] = field(default_factory=dict)
     prefetch_steps: int = 0
     prefetch_entries: int = 0
@@ -101,12 +105,16 @@ class MemoryReport:
         return self.read_bits_sum / self.read_values if self.read_values else None
 
     @property
+    def read_bytes_per_step(self) -> float | None:
+        return self.read_bytes / self.read_steps if self.read_steps else None
+
+    @property
     def compression(self) -> float:
         return self.fp16_bytes / self.total_bytes if self.total_bytes else float("nan")
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for internal in ("nominal_code_bits_sum", "read_bits_sum", "read_values"):
+        for internal in ("nominal_code_bits_sum", "read_bits_sum", "read_values", "read_steps", "read_bytes"):
             d.pop(internal)
         d.update(
             total_bytes=self.total_bytes,
@@ -116,6 +124,7 @@ class MemoryReport:
             nominal_code_bits=self.nominal_code_bits,
             compression=self.compression,
             read_bits=self.read_bits,
+            read_bytes_per_step=self.read_bytes_per_step,
             device_bytes=self.device_bytes,
             host_bytes=self.host_bytes,
             prefetch_entries_per_step=self.prefetch_entries_per_step,
@@ -151,6 +160,11 @@ def memory_report(layers: list[KVLayer]) -> MemoryReport:
         read_bits, read_values = layer.read_stats()
         report.read_bits_sum += read_bits
         report.read_values += read_values
+        traffic = layer.read_traffic()
+        if traffic is not None:
+            # every layer reads once per decode step: a step is a read of the busiest layer
+            report.read_steps = max(report.read_steps, traffic[0])
+            report.read_bytes += traffic[1]
         report.reserved_bytes += layer.bytes_reserved()
         for component, tensors in layer.held_tensors().items():
             report.bytes_by_component[component] = report.bytes_by_component.get(component, 0) + tensor_bytes(

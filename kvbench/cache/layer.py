@@ -128,6 +128,11 @@ class KVLayer(CacheLayerMixin):
         methods that read less than they store (ReadKV); others read everything: (0, 0)."""
         return 0, 0
 
+    def read_traffic(self) -> tuple[int, int] | None:
+        """``(decode reads, bytes moved)`` so far, for methods whose reads move less than they
+        store (ReadKV: the bytes its prefix reads move); None for methods that read everything."""
+        return None
+
     def host_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this layer keeps in host memory rather than on the accelerator, by accounting
         component (SpeCache's full-precision copy). They are reported as ``host_bytes`` and never

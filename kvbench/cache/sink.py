@@ -57,6 +57,9 @@ class SinkLayer(KVLayer):
     def read_stats(self):
         return self.inner.read_stats()
 
+    def read_traffic(self):
+        return self.inner.read_traffic()
+
     def host_tensors(self):
         return self.inner.host_tensors()
 

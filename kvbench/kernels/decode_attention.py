@@ -43,13 +43,17 @@ _MAX_ROWS = 128
 
 
 @triton.jit
-def _unpack_tile(row_ptr, chan, mask, LEVELS: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr):
+def _unpack_tile(
+    row_ptr, chan, mask, LEVELS: tl.constexpr, CHUNK: tl.constexpr, WORD: tl.constexpr, BITS: tl.constexpr
+):
     """int32 codes ``[BLOCK_N, D]`` of the packed rows ``row_ptr [BLOCK_N, 1]`` (0 where ~mask).
 
     ``BITS > 0`` (L = 2**BITS): the chunk words of the packing concatenate into one LSB-first bit
     stream, so code ``d`` sits at stream bit ``d * BITS``; it spans at most two bytes, which avoids
-    assembling the int64 multi-byte words (L = 8, 32, 64, 128). Otherwise every chunk is one byte
-    holding CHUNK base-L digits.
+    assembling the int64 multi-byte words (L = 8, 32, 64, 128). Otherwise every chunk is a
+    little-endian word of WORD bytes (1..4) holding CHUNK base-L digits; the word is assembled per
+    code from its chunk's bytes (int64 for 4-byte words, which may exceed 2**31) and the digit
+    divided out.
     """
     if BITS > 0:
         bit = chan * BITS
@@ -66,8 +70,15 @@ def _unpack_tile(row_ptr, chan, mask, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
     weight = tl.full(chan.shape, 1, tl.int32)
     for i in tl.static_range(1, CHUNK):
         weight = tl.where(digit >= i, weight * LEVELS, weight)
-    byte = tl.load(row_ptr + (chan // CHUNK)[None, :], mask=mask, other=0).to(tl.int32)
-    return (byte // weight[None, :]) % LEVELS
+    if WORD == 1:
+        byte = tl.load(row_ptr + (chan // CHUNK)[None, :], mask=mask, other=0).to(tl.int32)
+        return (byte // weight[None, :]) % LEVELS
+    first = (chan // CHUNK) * WORD
+    word = tl.load(row_ptr + first[None, :], mask=mask, other=0).to(tl.int64)
+    for k in tl.static_range(1, WORD):
+        byte = tl.load(row_ptr + first[None, :] + k, mask=mask, other=0).to(tl.int64)
+        word = word | (byte << (8 * k))
+    return ((word // weight.to(tl.int64)[None, :]) % LEVELS).to(tl.int32)
 
 
 @triton.jit
@@ -82,6 +93,7 @@ def _dequant_tile(
     live,
     LEVELS: tl.constexpr,
     CHUNK: tl.constexpr,
+    WORD: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     AXIS_TOKEN: tl.constexpr,
@@ -92,7 +104,7 @@ def _dequant_tile(
     load is masked to 0). The pointers are already offset to one (batch, kv head).
     """
     mask = live[:, None]
-    codes = _unpack_tile(codes_ptr + tok[:, None] * stride_ct, chan, mask, LEVELS, CHUNK, BITS)
+    codes = _unpack_tile(codes_ptr + tok[:, None] * stride_ct, chan, mask, LEVELS, CHUNK, WORD, BITS)
     if AXIS_TOKEN:
         param = tok[:, None] * stride_st + (chan // GROUP)[None, :]
     else:
@@ -131,6 +143,7 @@ def _gather_block(
     HAS_EXTRA: tl.constexpr,
     LEVELS: tl.constexpr,
     CHUNK: tl.constexpr,
+    WORD: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     AXIS_TOKEN: tl.constexpr,
@@ -159,6 +172,7 @@ def _gather_block(
                 live & (pos < n_quant),
                 LEVELS,
                 CHUNK,
+                WORD,
                 BITS,
                 GROUP,
                 AXIS_TOKEN,
@@ -234,12 +248,14 @@ def _decode_partial_kernel(
     HAS_KQ: tl.constexpr,
     K_LEVELS: tl.constexpr,
     K_CHUNK: tl.constexpr,
+    K_WORD: tl.constexpr,
     K_BITS: tl.constexpr,
     K_GROUP: tl.constexpr,
     K_AXIS_TOKEN: tl.constexpr,
     HAS_VQ: tl.constexpr,
     V_LEVELS: tl.constexpr,
     V_CHUNK: tl.constexpr,
+    V_WORD: tl.constexpr,
     V_BITS: tl.constexpr,
     V_GROUP: tl.constexpr,
     V_AXIS_TOKEN: tl.constexpr,
@@ -293,7 +309,7 @@ def _decode_partial_kernel(
             block_start, pos, live, chan,
             kq_codes, kq_scale, kq_zero, kq_ct, kq_st, kr_ptr, kr_t, ek_ptr, ek_t,
             n_kq, n_main,
-            HAS_KQ, HAS_KR, HAS_EXTRA, K_LEVELS, K_CHUNK, K_BITS, K_GROUP, K_AXIS_TOKEN, BLOCK_N, D,
+            HAS_KQ, HAS_KR, HAS_EXTRA, K_LEVELS, K_CHUNK, K_WORD, K_BITS, K_GROUP, K_AXIS_TOKEN, BLOCK_N, D,
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         visible = live[None, :] & ((pos[None, :] <= own[:, None]) | (pos[None, :] >= n_main))
@@ -309,7 +325,7 @@ def _decode_partial_kernel(
             block_start, pos, live, chan,
             vq_codes, vq_scale, vq_zero, vq_ct, vq_st, vr_ptr, vr_t, ev_ptr, ev_t,
             n_vq, n_main,
-            HAS_VQ, HAS_VR, HAS_EXTRA, V_LEVELS, V_CHUNK, V_BITS, V_GROUP, V_AXIS_TOKEN, BLOCK_N, D,
+            HAS_VQ, HAS_VR, HAS_EXTRA, V_LEVELS, V_CHUNK, V_WORD, V_BITS, V_GROUP, V_AXIS_TOKEN, BLOCK_N, D,
         )  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -455,16 +471,16 @@ def _packed_args(part: PackedKV | None, dummy: torch.Tensor) -> tuple[list, dict
     if part is None or part.num_tokens == 0:
         # Never dereferenced: the HAS_* flag compiles the part out.
         return [dummy, dummy, dummy, 0, 0, 0, 0, 0, 0], dict(
-            HAS=False, LEVELS=2, CHUNK=1, BITS=1, GROUP=1, AXIS_TOKEN=True
+            HAS=False, LEVELS=2, CHUNK=1, WORD=1, BITS=1, GROUP=1, AXIS_TOKEN=True
         )
     codes, scale, zero = _rows(part.codes), _rows(part.scale), _rows(part.zero)
     if scale.stride() != zero.stride():
         scale, zero = scale.contiguous(), zero.contiguous()
     levels = part.levels
-    chunk, _ = chunk_layout(levels)
+    chunk, word = chunk_layout(levels)
     bits = levels.bit_length() - 1 if levels & (levels - 1) == 0 else 0
     args = [codes, scale, zero, *codes.stride()[:3], *scale.stride()[:3]]
-    consts = dict(HAS=True, LEVELS=levels, CHUNK=chunk, BITS=bits, GROUP=part.group_size,
+    consts = dict(HAS=True, LEVELS=levels, CHUNK=chunk, WORD=word, BITS=bits, GROUP=part.group_size,
                   AXIS_TOKEN=part.axis == "token")  # fmt: skip
     return args, consts
 
@@ -562,9 +578,9 @@ def fused_decode_attention(
         m_part, l_part, acc_part,
         n_kq, n_vq, n_main, n_total, plan.split_len, scaling * _LOG2E,
         H_KV=lead[1], NQ=nq, ROWS=rows, BLOCK_M=block_m, BLOCK_N=plan.block_n, D=d,
-        HAS_KQ=kc["HAS"], K_LEVELS=kc["LEVELS"], K_CHUNK=kc["CHUNK"], K_BITS=kc["BITS"],
+        HAS_KQ=kc["HAS"], K_LEVELS=kc["LEVELS"], K_CHUNK=kc["CHUNK"], K_WORD=kc["WORD"], K_BITS=kc["BITS"],
         K_GROUP=kc["GROUP"], K_AXIS_TOKEN=kc["AXIS_TOKEN"],
-        HAS_VQ=vc["HAS"], V_LEVELS=vc["LEVELS"], V_CHUNK=vc["CHUNK"], V_BITS=vc["BITS"],
+        HAS_VQ=vc["HAS"], V_LEVELS=vc["LEVELS"], V_CHUNK=vc["CHUNK"], V_WORD=vc["WORD"], V_BITS=vc["BITS"],
         V_GROUP=vc["GROUP"], V_AXIS_TOKEN=vc["AXIS_TOKEN"],
         HAS_KR=has_kr, HAS_VR=has_vr, HAS_EXTRA=has_extra, DOT_PRECISION=input_precision,
     )  # fmt: skip

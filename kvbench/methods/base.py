@@ -97,6 +97,14 @@ class MethodConfig:
     def levels(self, bits: float | None = None, key: str = "bits") -> int:
         return levels_for_bits(self.bits if bits is None else bits, key=key)
 
+    def stored_levels(self) -> tuple[int, ...]:
+        """Level counts of the codes this config packs with :mod:`kvbench.quant.packing`; a config
+        with one that is not a power of two carries the packing's version in its run id
+        (:func:`kvbench.results.canonical_config`). Default: those of ``key_bits``/``value_bits``
+        where the config has them."""
+        kv = (getattr(self, part, None) for part in ("key_bits", "value_bits"))
+        return tuple(self.levels(bits) for bits in kv if bits is not None)
+
     def check_model(self, shape: ModelShape) -> None:
         """Checks that need the model (group sizes against head_dim, ...). Raise ConfigError."""
 

@@ -48,6 +48,9 @@ class IntactKVConfig(MethodConfig):
         node = {"bits": self.bits, "fp_dtype": self.fp_dtype, **self.base, "sink_tokens": self.tokens}
         self.base_method = build_method(node)
 
+    def stored_levels(self):
+        return self.base_method.config.stored_levels()
+
     def check_model(self, shape):
         self.base_method.config.check_model(shape)
 

@@ -9,11 +9,33 @@ s = (max - min) / (2^B - 1), round half up (:mod:`kvbench.quant.affine`). The co
 x_p = z + s * ((q >> (B-p) + 0.5) * 2^(B-p) - 0.5), and x_B is the stored value exactly. Stored
 entries never change.
 
-Storage layout and what "read bits" means: the codes are held as plain packed B-bit codes
-(``QuantizedTokens``; for B = 8 one byte per value) plus fp16 scales/zeros. The read counter is the
-paper's *logical payload read*: a value read at prefix p counts p bits (the codes' top p bits);
-scales/zeros and the full-precision tokens are not counted. With this byte layout a physical reader
-would move whole bytes; a bit-plane layout would make the logical count physical.
+Storage layout: the codes are held as bit planes (:class:`~kvbench.cache.bitplanes.BitPlaneTokens`,
+:mod:`kvbench.quant.bitplanes`), plane j holding bit B-1-j of every code, 8 entries per byte: keys'
+planes packed along tokens (a key prefix is per channel, so channel c's first p_c planes are
+p_c * T / 8 bytes), values' along channels (a value prefix is per token: token t's first p_t planes
+are p_t * D / 8 bytes); plus fp16 scales/zeros. B bits per stored entry, as packed B-bit codes.
+
+What "read bits" means, two counters:
+
+- the paper's *logical payload read* (``read_bits_total``): a value read at prefix p counts p bits
+  (the codes' top p bits) for every query head; scales/zeros and the full-precision tokens are not
+  counted;
+- the bytes a prefix reader of this layout moves per decode step (``read_bytes_total``, over
+  ``read_steps`` steps): per (sequence, kv head), the planes any query head sharing it needs
+  (key plane j of channel c when some head reads p_c > j: T / 8 bytes; value plane j of token t
+  when some head reads p_t > j: ceil(D / 8) bytes), plus every scale and zero (a prefix of 0 bits
+  still reconstructs at the group's centre) and the full-precision tokens. With one query head per
+  kv head and no GQA this is the logical count in bytes plus the parameters; a GQA group reads the
+  union of its heads' prefixes.
+
+The torch read below assembles, per block of tokens and per kv head, the codes from only the
+planes some query row sharing the head reads (:meth:`PlaneStore.read_codes`: bit B-1-j of key
+channel c only if some row's p_c > j, of value token t only if some row's p_t > j; the other bits
+stay 0), then reconstructs each row's prefixes at their bin centres
+(:func:`~kvbench.quant.progressive.prefix_reconstruct`), so it computes exactly what the dense
+reference computes from the full codes. As plain torch it still loads each plane's bytes of the
+block before masking them; the counter above is what a reader that skips the unneeded planes
+moves, and the tests flip every bit of the unneeded planes to check that the output does not move.
 
 Streaming: new tokens join a full-precision buffer (``fp_dtype``); whenever it holds at least
 R + G tokens (R = ``residual``, default 0, as the paper's abstract names no window), its oldest G
@@ -53,16 +75,15 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from kvbench.cache.bitplanes import BitPlaneTokens
 from kvbench.cache.composite import CompositeLayer
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens
 from kvbench.cache.masks import grouped_additive_mask
-from kvbench.cache.quantized import QuantizedTokens
 from kvbench.config import require
 from kvbench.methods.affine_base import FullPrecisionWindow
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
 from kvbench.quant.blockwise import configured_block_size
-from kvbench.quant.packing import unpack
 from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
 
 
@@ -79,6 +100,8 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
     key_share: float = 0.5
 
     backends: ClassVar[tuple[str, ...]] = ("torch",)
+    # 2: codes stored as bit planes (same values and attention, other bytes)
+    version: ClassVar[int] = 2
     default_bits: ClassVar[float] = 8.0
     bits_knob: ClassVar[str | None] = "read_bits"  # the run's bits set the read budget, not B
 
@@ -100,10 +123,11 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
         )
         self.read_bits = float(self.read_bits)
         require(
-            self.group_size > 0,
+            self.group_size > 0 and self.group_size % 8 == 0,
             "method.group_size",
             self.group_size,
-            "a positive integer (tokens per key group, channels per value group)",
+            "a positive multiple of 8 (tokens per key group, channels per value group; key planes "
+            "pack 8 tokens per byte)",
         )
         require(
             self.residual >= 0,
@@ -142,9 +166,8 @@ def grouped_codes(codes, scale, zero, axis: str, group: int) -> Codes:
     return Codes(codes, scale.repeat_interleave(group, dim), zero.float().repeat_interleave(group, dim), rms)
 
 
-def expanded_codes(store: QuantizedTokens) -> Codes:
-    codes = unpack(store.codes, store.levels, store.head_dim)
-    return grouped_codes(codes, store.scale, store.zero, store.axis, store.group_size)
+def expanded_codes(store: BitPlaneTokens) -> Codes:
+    return grouped_codes(store.codes(), store.scale, store.zero, store.axis, store.group_size)
 
 
 def budgets(read_bits: float, key_share: float, head_dim: int, tokens: int) -> tuple[int, int]:
@@ -201,25 +224,33 @@ def query_adaptive_attention(
     return out, pk, pv
 
 
-class PackedStore(NamedTuple):
-    """A store's packed codes ``[B, H_kv, T, bytes]`` and grouped ``scale``/``zero`` as held (views
-    taken before a forward appends), with its level count, group size and quantization axis."""
+class PlaneStore(NamedTuple):
+    """A store's bit planes and grouped ``scale``/``zero`` as held (views taken before a forward
+    appends), with its code width, group size, quantization axis and plane packing."""
 
-    codes: torch.Tensor
+    planes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
-    levels: int
+    bits: int
     group: int
     axis: str
+    along: str
+    head_dim: int
 
     @classmethod
-    def of(cls, store: QuantizedTokens) -> PackedStore:
-        return cls(store.codes, store.scale, store.zero, store.levels, store.group_size, store.axis)
+    def of(cls, store: BitPlaneTokens) -> PlaneStore:
+        return cls(
+            store.planes, store.scale, store.zero, store.bits, store.group_size, store.axis, store.along,
+            store.head_dim,
+        )  # fmt: skip
 
-    def block(self, start: int, stop: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Codes (uint8) and float32 scale/zero expanded to ``[B, H_kv, stop - start, D]`` for
-        tokens ``[start, stop)`` (group-aligned for the channel axis)."""
-        codes = unpack(self.codes[..., start:stop, :], self.levels, head_dim)
+    @property
+    def num_tokens(self) -> int:
+        return self.planes.shape[-2] * (8 if self.along == "token" else 1)
+
+    def params(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 scale and zero expanded to ``[B, H_kv, stop - start, D]`` for tokens
+        ``[start, stop)`` (group-aligned for the channel axis)."""
         if self.axis == "channel":
             rows = slice(start // self.group, stop // self.group)
             s = self.scale[..., rows, :].float().repeat_interleave(self.group, -2)
@@ -227,13 +258,39 @@ class PackedStore(NamedTuple):
         else:
             s = self.scale[..., start:stop, :].float().repeat_interleave(self.group, -1)
             z = self.zero[..., start:stop, :].float().repeat_interleave(self.group, -1)
-        return codes, s, z
+        return s, z
+
+    def read_codes(self, need: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The codes of tokens ``[start, stop)`` as far as the planes ``need`` asks for: uint8
+        ``[B, H_kv, stop - start, D]`` holding bit B-1-j of an entry only where ``need > j`` (0
+        elsewhere), built from those planes' bits and nothing else. ``need`` is the longest prefix
+        any query row sharing the kv head reads: ``[B, H_kv, D]`` per channel for token-packed key
+        planes (start/stop multiples of 8), ``[B, H_kv, stop - start]`` per token for
+        channel-packed value planes."""
+        b, h = self.planes.shape[:2]
+        d, bits = self.head_dim, self.bits
+        lanes = torch.arange(8, dtype=torch.uint8, device=self.planes.device)
+        if self.along == "token":
+            o = (stop - start) // 8
+            planes = self.planes[..., start // 8 : stop // 8, :].view(b, h, o, bits, d)
+            out = torch.zeros(b, h, o, d, 8, dtype=torch.uint8, device=planes.device)
+            for j in range(bits):
+                keep = ((need > j).to(torch.uint8) << (bits - 1 - j))[:, :, None, :, None]  # [B, H, 1, D, 1]
+                out |= ((planes[:, :, :, j, :, None] >> lanes) & 1) * keep
+            return out.transpose(-1, -2).reshape(b, h, o * 8, d)
+        t, d8 = stop - start, -(-d // 8)
+        planes = self.planes[..., start:stop, :].view(b, h, t, bits, d8)
+        out = torch.zeros(b, h, t, d8 * 8, dtype=torch.uint8, device=planes.device)
+        for j in range(bits):
+            keep = ((need > j).to(torch.uint8) << (bits - 1 - j))[..., None]  # [B, H, T, 1]
+            out |= ((planes[:, :, :, j, :, None] >> lanes) & 1).reshape(b, h, t, d8 * 8) * keep
+        return out[..., :d]
 
 
 def blockwise_query_adaptive_attention(
     query: torch.Tensor,
-    keys: PackedStore,
-    values: PackedStore,
+    keys: PlaneStore,
+    values: PlaneStore,
     bits: int,
     key_budget: int,
     value_budget: int,
@@ -243,25 +300,27 @@ def blockwise_query_adaptive_attention(
     mask: torch.Tensor | None = None,
     block_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`query_adaptive_attention` read straight from the packed stores, a block of tokens at a
-    time: the prefix reconstructions ``[B, H_kv, n, block, D]`` exist for one block only, never for
-    the whole cache. Two passes, because step 3's allocation needs the attention of every stored
-    token: pass 1 computes the logits of all stored tokens (``[B, H_kv, n, T]``, no head dim), pass 2
-    the prefix-read values. Same arguments and results as the dense function, up to float
-    reassociation."""
+    """:func:`query_adaptive_attention` read from the bit planes, a block of tokens at a time: each
+    kv head's codes are assembled from the planes its query rows read (:meth:`PlaneStore.read_codes`)
+    and each row's prefixes reconstructed at their bin centres, ``[B, H_kv, n, block, D]`` for one
+    block only. Two passes, because step 3's allocation needs the attention of every stored token:
+    pass 1 computes the logits of all stored tokens (``[B, H_kv, n, T]``), pass 2 the prefix-read
+    values. Same arguments and results as the dense function (the same prefix reconstructions),
+    up to float reassociation."""
     q = query.float()
-    d = q.shape[-1]
-    tq = keys.codes.shape[-2]
+    tq = keys.num_tokens
     block = max(keys.group, block_size // keys.group * keys.group)  # whole key groups per block
     ranges = [(s, min(s + block, tq)) for s in range(0, tq, block)]
     # 1. key channels: weight |q_c| * sigma_c (sigma: RMS of the channel's scales over its groups)
     rms_k = keys.scale.float().pow(2).mean(-2).sqrt()  # [B, H, D]
     pk = allocate_prefix_bits(q.abs() * rms_k[:, :, None, :], bits, key_budget)  # [B, H, n, D]
+    key_need = pk.amax(2)  # [B, H, D]: the planes some query row sharing the kv head reads
     # 2. logits of the stored tokens, block by block, then one softmax with the exact tokens
     parts = []
     for start, stop in ranges:
-        c, s, z = keys.block(start, stop, d)
-        k_p = prefix_reconstruct(c[:, :, None], s[:, :, None], z[:, :, None], bits, pk[:, :, :, None, :])
+        s, z = keys.params(start, stop)
+        codes = keys.read_codes(key_need, start, stop)  # [B, H, block, D]
+        k_p = prefix_reconstruct(codes[:, :, None], s[:, :, None], z[:, :, None], bits, pk[:, :, :, None, :])
         parts.append((k_p @ q[..., None])[..., 0] * scaling)  # [B, H, n, block]
     if exact_k is not None and exact_k.shape[-2]:
         parts.append(q @ exact_k.float().transpose(-1, -2) * scaling)
@@ -276,18 +335,30 @@ def blockwise_query_adaptive_attention(
     # 3. value tokens: weight a_t * rho_t (rho: RMS of the token's scales over its channel groups)
     rho_v = values.scale.float().pow(2).mean(-1).sqrt()  # [B, H, T]
     pv = allocate_prefix_bits(a_stored * rho_v[:, :, None, :], bits, value_budget)  # [B, H, n, T]
+    value_need = pv.amax(2)  # [B, H, T]
     # 4. output, block by block
     out = None
     for start, stop in ranges:
-        c, s, z = values.block(start, stop, d)
-        v_p = prefix_reconstruct(
-            c[:, :, None], s[:, :, None], z[:, :, None], bits, pv[..., start:stop, None]
-        )  # [B, H, n, block, D]
+        s, z = values.params(start, stop)
+        prefix = pv[..., start:stop]
+        codes = values.read_codes(value_need[..., start:stop], start, stop)  # [B, H, block, D]
+        v_p = prefix_reconstruct(codes[:, :, None], s[:, :, None], z[:, :, None], bits, prefix[..., None])
         part = (a_stored[..., None, start:stop] @ v_p)[..., 0, :]
         out = part if out is None else out + part
     if exact_v is not None and exact_v.shape[-2]:
         out = out + a[..., tq:] @ exact_v.float()
     return out, pk, pv
+
+
+def planes_moved(keys: PlaneStore, values: PlaneStore, pk: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
+    """Code bytes a prefix reader of the planes moves for one read (module docstring), as a device
+    int64 scalar: per (sequence, kv head) the planes some query head needs, key plane j of channel c
+    (``T / 8`` bytes) when any head's ``pk > j``, value plane j of token t (``ceil(D / 8)``) when
+    any head's ``pv > j``. ``pk [B, H_kv, n, D]``, ``pv [B, H_kv, n, T]``."""
+    planes = torch.arange(keys.bits, device=pk.device)[:, None]
+    key_planes = (pk.amax(2)[..., None, :] > planes).sum()  # (plane, channel) pairs
+    value_planes = (pv.amax(2)[..., None, :] > planes).sum()  # (plane, token) pairs
+    return key_planes * (keys.num_tokens // 8) + value_planes * -(-values.head_dim // 8)
 
 
 class ReadKVLayer(CompositeLayer):
@@ -296,13 +367,17 @@ class ReadKVLayer(CompositeLayer):
         self.bits = int(cfg.bits)
         self.read_bits, self.key_share = cfg.read_bits, cfg.key_share
         self.group, self.residual = cfg.group_size, cfg.residual
-        levels = 2**self.bits
-        self.kq = QuantizedTokens(levels, "channel", self.group)
-        self.vq = QuantizedTokens(levels, "token", self.group)
+        self.kq = BitPlaneTokens(self.bits, "channel", self.group)
+        self.vq = BitPlaneTokens(self.bits, "token", self.group)
         self.k_res = FullPrecisionTokens(fp_dtype)
         self.v_res = FullPrecisionTokens(fp_dtype)
         self.read_bits_total = 0
         self.read_values_total = 0
+        # bytes moved by the decode reads: planes (a device tensor, so no step waits on the device)
+        # plus parameters and full-precision tokens (known on the host)
+        self.read_steps = 0
+        self.read_bytes_host = 0
+        self.read_bytes_planes: torch.Tensor | None = None
         self._adaptive: tuple | None = None  # (key store, value store, buffer k, buffer v, new k, new v)
 
     def append(self, keys, values):
@@ -317,8 +392,8 @@ class ReadKVLayer(CompositeLayer):
         if key_states.shape[-2] <= 2 and len(self.kq):
             # views of storage that appends never overwrite: they stay valid after the append
             self._adaptive = (
-                PackedStore.of(self.kq),
-                PackedStore.of(self.vq),
+                PlaneStore.of(self.kq),
+                PlaneStore.of(self.vq),
                 self.k_res.data,
                 self.v_res.data,
                 key_states,
@@ -337,7 +412,7 @@ class ReadKVLayer(CompositeLayer):
         rep = h // hk
         qf = query.float().reshape(b, hk, rep * q_len, d)  # query heads kv*rep + r share kv head kv
         exact_k, exact_v = cat_tokens(k_buf, new_k), cat_tokens(v_buf, new_v)
-        tq = kc.codes.shape[-2]
+        tq = kc.num_tokens
         kv_len = tq + exact_k.shape[-2]
         mask = grouped_additive_mask(attention_mask, b, hk, rep, q_len, kv_len, query.device)
         kb, vb = budgets(self.read_bits, self.key_share, d, tq)
@@ -353,6 +428,14 @@ class ReadKVLayer(CompositeLayer):
         value_bits = max(0, min(int(vb), tq * self.bits))
         self.read_bits_total += rows * (key_bits * tq + value_bits * d)
         self.read_values_total += 2 * rows * tq * d
+        moved = planes_moved(kc, vc, pk, pv)
+        self.read_bytes_planes = moved if self.read_bytes_planes is None else self.read_bytes_planes + moved
+        self.read_bytes_host += sum(
+            x.numel() * x.element_size()
+            for x in (kc.scale, kc.zero, vc.scale, vc.zero, k_buf, v_buf)
+            if x is not None
+        )
+        self.read_steps += 1
         out = out.reshape(b, h, q_len, d)
         return out.transpose(1, 2).contiguous().to(query.dtype), None
 
@@ -362,6 +445,11 @@ class ReadKVLayer(CompositeLayer):
 
     def read_stats(self):
         return self.read_bits_total, self.read_values_total
+
+    def read_traffic(self):
+        if not self.read_steps:
+            return None
+        return self.read_steps, int(self.read_bytes_planes) + self.read_bytes_host
 
 
 @register_method("readkv")

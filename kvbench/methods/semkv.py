@@ -47,8 +47,9 @@ channels, :mod:`kvbench.quant.packing`), the base quantizer's parameters, and th
   ``group_size`` channels per scale/zero pair (default: the whole head, G = head_dim; with fp16
   parameters that is 32 / head_dim bits per value: 0.25 at head_dim 128, which with the index bit
   (1 / (2 head_dim)) reproduces the paper's 2.39 nominal code bits -> ~2.65 effective bits; the
-  packed bytes held here cost 8/3 bits per code for both L = 5 and 6 (3 codes per byte), which
-  ``effective_bits`` reports as they are);
+  packed bytes held here cost 2.4 bits per code for L = 5 (10 codes in a 3-byte word) and 8/3 for
+  L = 6 (3 codes per byte, :mod:`kvbench.quant.packing`), which ``effective_bits`` reports as
+  they are);
 - ``turboquant``: TurboQuant-MSE (:mod:`kvbench.cache.rotated`: per-vector fp16 norm, seeded
   rotation per (layer, kv head), Lloyd-Max codebook of L levels); ``seeds`` is one int64 per layer.
 
@@ -174,6 +175,9 @@ class SemKVConfig(MethodConfig):
     @property
     def high_fraction(self) -> float:
         return high_fraction(self.target_bits, self.low_levels, self.high_levels)
+
+    def stored_levels(self):
+        return (self.high_levels, self.low_levels)
 
     def check_model(self, shape):
         check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")

@@ -51,6 +51,9 @@ class UniformConfig(MethodConfig):
                 "a positive token count when an axis is 'channel'",
             )
 
+    def stored_levels(self):
+        return (self.levels(),)
+
     def check_model(self, shape):
         if "token" in (self.key_axis, self.value_axis):
             check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")

@@ -30,8 +30,9 @@ dequantize-then-matmul path by rounding only. Which path a source takes is chose
 the defaults are the ones measured faster on CPU (``scripts/bench_blockwise.py``,
 ``benchmarks/bench_blockwise.md``): values fold (one small matmul per channel group on the float code
 values, no affine pass over the block), keys do not (folding needs one tiny matmul per group of G
-tokens, slower than one affine pass and one matmul). Affine codes are decoded through a 256-row
-byte table into uint8 and the affine map promotes them to float32 in the same pass.
+tokens, slower than one affine pass and one matmul). Affine codes are decoded through a table per
+byte (or per digit group of a base-L word) into uint8 and the affine map promotes them to float32
+in the same pass.
 
 ``torch.compile`` (inductor, CPU) of a hand-fused key block (shift out the codes, affine map,
 logits) took about a minute to compile and ran within the noise of eager on this machine, so the
@@ -70,7 +71,14 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from kvbench.env import env_positive_int
-from kvbench.quant.packing import chunk_layout, packed_length, unpack
+from kvbench.quant.packing import (
+    chunk_layout,
+    group_table,
+    is_bit_packed,
+    lookup_unpack,
+    packed_length,
+    unpack,
+)
 from kvbench.quant.rope import cos_sin, rotate
 
 DEFAULT_BLOCK_SIZE = 1024
@@ -152,25 +160,19 @@ _LOOKUPS: dict[tuple, torch.Tensor] = {}
 def byte_lookup(
     levels: int, table: torch.Tensor | None = None, device: torch.device | str | None = None
 ) -> torch.Tensor | None:
-    """``[256, c]``: the c codes held by each byte, as uint8 (``table`` None), or mapped through
-    ``table [L]`` as float32. None for layouts whose chunks span several bytes (L = 8, 32, 64, 128),
-    which are unpacked arithmetically instead. (uint8 codes are four times fewer bytes to write than
-    float32 ones, and the affine map that follows promotes them in the same pass.)"""
-    c, m = chunk_layout(levels)
-    if m != 1:
+    """``[rows, k]``: the k codes of each digit-group value (a byte for one-byte chunks, a group of
+    a base-L word otherwise; :func:`~kvbench.quant.packing.digit_groups`), as uint8 (``table``
+    None), or mapped through ``table [L]`` as float32. None for multi-byte power-of-two chunks
+    (L = 8, 32, 64, 128), which are unpacked with shifts, and for a ``table`` over multi-byte
+    base-L chunks (up to 64K rows, too many to map afresh for every source: those codes are
+    unpacked and then looked up). (uint8 codes are four times fewer bytes to write than float32
+    ones, and the affine map that follows promotes them in the same pass.)"""
+    _, m = chunk_layout(levels)
+    if m != 1 and (table is not None or is_bit_packed(levels)):
         return None
     device = torch.device(device) if device is not None else table.device if table is not None else "cpu"
-    table = None if table is None else table.to(device)
-    key = (levels, str(device)) if table is None else None
-    if key is not None and key in _LOOKUPS:
-        return _LOOKUPS[key]
-    byte = torch.arange(256, dtype=torch.int64, device=device)[:, None]
-    weights = torch.tensor([levels**i for i in range(c)], dtype=torch.int64, device=device)
-    digits = torch.div(byte, weights, rounding_mode="floor") % levels
-    values = digits.to(torch.uint8) if table is None else table.float()[digits]
-    if key is not None:
-        _LOOKUPS[key] = values
-    return values
+    codes = group_table(levels, device)
+    return codes if table is None else table.to(device).float()[codes.long()]
 
 
 def _float_codes_lookup(levels: int, device: torch.device) -> torch.Tensor | None:
@@ -191,9 +193,7 @@ def decode_codes(
 ) -> torch.Tensor:
     """The codes of packed ``[..., M]`` bytes as uint8 ``[..., head_dim]``, or ``table[code]`` as float32."""
     if lookup is not None:
-        *lead, size = packed.shape
-        flat = torch.index_select(lookup, 0, packed.reshape(-1).long())
-        return flat.reshape(*lead, size * lookup.shape[1])[..., :head_dim]
+        return lookup_unpack(packed, levels, head_dim, lookup)
     codes = unpack(packed, levels, head_dim)
     return codes if table is None else table.float()[codes.long()]
 

@@ -42,9 +42,10 @@ def test_kivi2_effective_bits_match_formula():
 
 
 def test_fractional_bits_are_packed_base_L():
-    # 5 levels: three codes per byte -> 8/3 code bits; per-token groups of 32 add 1 bit of params.
+    # 5 levels: ten codes in a 3-byte word -> 64 codes in 7 words, 2.625 code bits (2.4 in full
+    # words); per-token groups of 32 add 1 bit of params.
     report = filled_cache({"name": "uniform", "bits": 2.322}, 96)
-    assert report.code_bits == pytest.approx(8 * math.ceil(64 / 3) / 64)
+    assert report.code_bits == pytest.approx(8 * 3 * math.ceil(64 / 10) / 64)
     assert report.nominal_code_bits == pytest.approx(math.log2(5))
     assert report.effective_bits == pytest.approx(report.code_bits + 1.0)
 

@@ -22,10 +22,12 @@ from kvbench.quant.blockwise import (
     RoPESource,
     single_call_attention,
 )
-from kvbench.quant.packing import chunk_layout, pack
+from kvbench.quant.packing import chunk_layout, pack, unpack
 from kvbench.quant.rope import cos_sin
 
-LEVELS = [2, 3, 4, 5, 6, 7, 8, 16, 17, 32, 64, 128, 256]
+# every level count up to 16 (one-byte chunks, base-L words of 2..4 bytes, bit streams), then a few
+# of each wider layout
+LEVELS = [*range(2, 17), 17, 24, 32, 40, 64, 84, 85, 128, 256]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +115,34 @@ def test_per_token_affine_codes(reader, levels, d):
         both(reader, part, q, p, f"per-token L={levels} d={d} m={m} G={group} t={t} seed={seed}")
 
 
+@pytest.mark.parametrize("d", [64, 20])
+def test_kernels_read_every_code_exactly(reader, d):
+    # One-hot queries against the identity table read the codes back (small integers, exact in
+    # float32), so every layout's decoding is compared code by code with the packing's unpack.
+    for levels in range(2, 257):
+        g = torch.Generator().manual_seed(levels)
+        codes = torch.randint(0, levels, (1, 2, 37, d), generator=g, dtype=torch.int64).to(torch.uint8)
+        codes[..., 0, :] = levels - 1
+        packed = grown_view(pack(codes, levels))
+        eye = torch.eye(d).expand(1, 2, d, d)
+        c, m = chunk_layout(levels)
+        ident = torch.arange(levels, dtype=torch.float32)
+        got = reader.k.code_scores(eye, packed, ident, None, None, levels, d, c, m, 1, 1, None, None, 0)
+        want = unpack(packed, levels, d).float().transpose(-1, -2)
+        assert torch.equal(got, want), f"code_scores L={levels} d={d} seed={levels}"
+        # the folded per-channel kernel with unit scale and zero 0 over one group of all tokens
+        scale = torch.ones(1, 2, 1, d)
+        got = reader.k.affine_channel_scores(eye, packed, scale, 0 * scale, levels, d, c, m, 37)
+        assert torch.equal(got, want), f"affine_channel_scores L={levels} d={d} seed={levels}"
+        # one-hot weights over the tokens: the folded per-token kernel and the generic mix
+        pick = torch.eye(37).expand(1, 2, 37, 37)
+        unit = torch.ones(1, 2, 37, 1)
+        got = reader.k.affine_token_mix(pick, packed, unit, 0 * unit, levels, d, c, m, d)
+        assert torch.equal(got, want.transpose(-1, -2)), f"affine_token_mix L={levels} d={d} seed={levels}"
+        got = reader.k.code_mix(pick, packed, ident, None, None, levels, d, c, m, 1, 1)
+        assert torch.equal(got, want.transpose(-1, -2)), f"code_mix L={levels} d={d} seed={levels}"
+
+
 def outliers(g, b, h, t, d, count):
     """``count`` distinct entries, token index ascending (the dense-and-sparse store's order)."""
     flat = torch.randperm(t * b * h * d, generator=g)[:count].sort().values
@@ -120,7 +150,7 @@ def outliers(g, b, h, t, d, count):
     return rows.to(torch.int32), cols.to(torch.int32), torch.randn(count, generator=g).half() * 8
 
 
-@pytest.mark.parametrize("levels", [2, 3, 4, 8, 16, 32])
+@pytest.mark.parametrize("levels", [2, 3, 4, 5, 7, 8, 9, 10, 11, 16, 17, 32])
 def test_codebook_codes(reader, levels):
     b, h, d = 1, 3, 64
     for seed, (kind, m, t) in enumerate(

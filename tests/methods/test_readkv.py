@@ -165,6 +165,7 @@ def test_four_of_eight_beats_stored_four_bits():
         ({"read_bits": "4"}, "method.read_bits"),
         ({"key_share": 1.5}, "method.key_share"),
         ({"group_size": 0}, "method.group_size"),
+        ({"group_size": 12}, "method.group_size"),  # key planes pack 8 tokens per byte
         ({"residual": -1}, "method.residual"),
     ],
 )
@@ -185,38 +186,129 @@ def test_default_read_bits_and_label():
     assert method.label() == "readkv-4of8b"
 
 
+def plane_stores(k, v, bits, group=32):
+    from kvbench.cache.bitplanes import BitPlaneTokens
+    from kvbench.methods.readkv import PlaneStore
+
+    kq, vq = BitPlaneTokens(bits, "channel", group), BitPlaneTokens(bits, "token", group)
+    kq.append(k)
+    vq.append(v)
+    return kq, vq, PlaneStore.of(kq), PlaneStore.of(vq)
+
+
 @pytest.mark.parametrize("block_size", [32, 96, 4096])
-def test_blockwise_read_from_packed_stores_equals_the_dense_read(block_size):
-    """The layer's read (two passes over the packed stores, one block of prefix reconstructions at
-    a time) equals the dense function over fully expanded codes, read bits included."""
-    from kvbench.cache.quantized import QuantizedTokens
-    from kvbench.methods.readkv import PackedStore, blockwise_query_adaptive_attention
+def test_blockwise_read_from_the_planes_equals_the_dense_read(block_size):
+    """The layer's read (two passes over the bit planes, plane by plane) equals the dense function
+    over fully expanded codes, read bits included."""
+    from kvbench.methods.readkv import blockwise_query_adaptive_attention
 
     torch.manual_seed(3)
     t, d, bits, scaling = 256, 64, 8, 1 / 8
     k, v = torch.randn(1, 2, t, d) * torch.linspace(0.5, 4, d), torch.randn(1, 2, t, d)
-    kq, vq = QuantizedTokens(2**bits, "channel", 32), QuantizedTokens(2**bits, "token", 32)
-    kq.append(k)
-    vq.append(v)
+    kq, vq, ks, vs = plane_stores(k, v, bits)
     q = torch.randn(1, 2, 6, d)
     exact_k, exact_v = torch.randn(1, 2, 3, d), torch.randn(1, 2, 3, d)
     mask = torch.zeros(1, 2, 6, t + 3)
     mask[..., [5, 77, t + 2]] = float("-inf")
     kb, vb = budgets(3, 0.5, d, t)
     dense = query_adaptive_attention(
-        q,
-        grouped_codes(unpack(kq.codes, 2**bits, d), kq.scale, kq.zero, "channel", 32),
-        grouped_codes(unpack(vq.codes, 2**bits, d), vq.scale, vq.zero, "token", 32),
-        bits,
-        kb,
-        vb,
-        scaling,
-        exact_k,
-        exact_v,
-        mask,
-    )
+        q, codes_of(k, bits, "channel", 32), codes_of(v, bits, "token", 32), bits, kb, vb, scaling,
+        exact_k, exact_v, mask,
+    )  # fmt: skip
     blockwise = blockwise_query_adaptive_attention(
-        q, PackedStore.of(kq), PackedStore.of(vq), bits, kb, vb, scaling, exact_k, exact_v, mask, block_size
+        q, ks, vs, bits, kb, vb, scaling, exact_k, exact_v, mask, block_size
     )
     torch.testing.assert_close(blockwise[0], dense[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(blockwise[1], dense[1]) and torch.equal(blockwise[2], dense[2])  # same prefix bits
+
+
+@pytest.mark.parametrize("bits", [2, 5, 8])
+def test_the_read_depends_only_on_the_planes_it_counts(bits):
+    """Flipping every bit of the planes no query head needs (key plane j of channel c with all
+    heads' p_c <= j, value plane j of token t with all p_t <= j) leaves the output unchanged, and
+    the counted bytes are exactly the planes that remain."""
+    from kvbench.methods.readkv import PlaneStore, blockwise_query_adaptive_attention, planes_moved
+
+    torch.manual_seed(bits)
+    t, d, scaling = 128, 64, 1 / 8
+    k, v = torch.randn(1, 2, t, d) * torch.linspace(0.5, 4, d), torch.randn(1, 2, t, d)
+    _, _, ks, vs = plane_stores(k, v, bits)
+    q = torch.randn(1, 2, 3, d)
+    kb, vb = budgets(bits / 3, 0.5, d, t)
+    out, pk, pv = blockwise_query_adaptive_attention(q, ks, vs, bits, kb, vb, scaling, block_size=64)
+    key_need = pk.amax(2)  # [B, H, D]: planes 0..need-1 of each channel are read
+    value_need = pv.amax(2)  # [B, H, T]
+    assert key_need.max() > key_need.min() and value_need.max() > value_need.min()
+    kp = ks.planes.clone().view(1, 2, t // 8, bits, d)
+    vp = vs.planes.clone().view(1, 2, t, bits, d // 8)
+    plane = torch.arange(bits)
+    kp ^= torch.where(key_need[:, :, None, None, :] <= plane[:, None], 255, 0).to(torch.uint8)
+    vp ^= torch.where(value_need[:, :, :, None, None] <= plane[:, None], 255, 0).to(torch.uint8)
+    flipped_k = PlaneStore(kp.view_as(ks.planes), *ks[1:])
+    flipped_v = PlaneStore(vp.view_as(vs.planes), *vs[1:])
+    again = blockwise_query_adaptive_attention(q, flipped_k, flipped_v, bits, kb, vb, scaling, block_size=64)
+    assert torch.equal(again[0], out) and torch.equal(again[1], pk) and torch.equal(again[2], pv)
+    want = int(key_need.sum()) * (t // 8) + int(value_need.sum()) * (d // 8)
+    assert int(planes_moved(ks, vs, pk, pv)) == want
+    assert want < bits * t * d * 2 * 2 // 8  # fewer than all the planes of keys and values
+
+
+def test_decode_moves_the_bytes_it_reads():
+    """One query head per kv head: the planes moved are the logical read bits / 8, plus every
+    scale and zero and the exact tokens; a GQA group moves the union of its heads' prefixes."""
+    torch.manual_seed(0)
+    d, t = 64, 96
+    for heads, kv in ((2, 2), (4, 2)):
+        k, v = torch.randn(2, 1, kv, t + 1, d).unbind(0)
+        layer = readkv_layer(bits=8, read_bits=3)
+        layer.update(k[:, :, :t], v[:, :, :t])
+        keys, values = layer.update(k[:, :, t:], v[:, :, t:])
+        layer.attend(SimpleNamespace(scaling=0.125), torch.randn(1, heads, 1, d), keys, values, None)
+        steps, moved = layer.read_traffic()
+        params = 2 * 2 * kv * (t // 32 * d + t * d // 32)  # fp16 scale + zero of keys and values
+        logical = layer.read_bits_total // 8
+        assert steps == 1
+        if heads == kv:
+            assert moved == logical + params
+        else:
+            assert params + logical // (heads // kv) < moved <= params + logical
+        report = memory_report([layer])
+        assert report.read_bytes_per_step == moved
+        assert report.to_dict()["read_bytes_per_step"] == moved
+
+
+@pytest.mark.parametrize("bits", [1, 3, 8])
+@pytest.mark.parametrize(
+    ("along", "t", "d"), [("token", 24, 64), ("token", 8, 20), ("channel", 5, 64), ("channel", 3, 20)]
+)
+def test_planes_round_trip_and_read_one_plane(bits, along, t, d):
+    from kvbench.quant.bitplanes import pack_planes, plane_bits, unpack_planes
+
+    g = torch.Generator().manual_seed(bits * 100 + t)
+    codes = torch.randint(0, 2**bits, (2, 3, t, d), generator=g).to(torch.uint8)
+    planes = pack_planes(codes, bits, along)
+    per_plane = t // 8 * d if along == "token" else t * -(-d // 8)
+    assert planes.numel() == 2 * 3 * bits * per_plane  # B bits per entry (+ channel padding)
+    assert torch.equal(unpack_planes(planes, bits, along, d), codes)
+    for j in range(bits):
+        assert torch.equal(plane_bits(planes, bits, j, along, d), (codes >> (bits - 1 - j)) & 1)
+
+
+def test_plane_store_holds_the_quantized_tokens_codes():
+    """Same quantization as the packed store: the planes hold its codes, its params, B bits each."""
+    from kvbench.cache.bitplanes import BitPlaneTokens
+    from kvbench.cache.quantized import QuantizedTokens
+
+    torch.manual_seed(1)
+    x = torch.randn(1, 2, 64, 64)
+    for axis in ("channel", "token"):
+        planes, packed = BitPlaneTokens(8, axis, 32), QuantizedTokens(256, axis, 32)
+        for part in (x[:, :, :32], x[:, :, 32:]):
+            planes.append(part)
+            packed.append(part)
+        assert torch.equal(planes.codes(), unpack(packed.codes, 256, 64))
+        assert torch.equal(planes.scale, packed.scale) and torch.equal(planes.zero, packed.zero)
+        assert planes.planes.numel() == packed.codes.numel()
+        assert torch.equal(planes.dequantize(), packed.dequantize())
+        src = planes.source()
+        torch.testing.assert_close(src.read(8, 45), packed.dequantize()[..., 8:45, :], rtol=0, atol=0)

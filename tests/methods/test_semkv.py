@@ -206,7 +206,8 @@ def test_accounting_of_codes_index_and_params():
         layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
     report = memory_report([layer])
     by = report.bytes_by_component
-    # per (K/V, head): 3 high codes of 16 in 6 bytes each (3 per byte), 7 low in 6 bytes each
+    # per (K/V, head): 3 high (6-level) codes of 16 in 6 bytes each (3 per byte), 7 low (5-level)
+    # in 6 bytes each (two 3-byte words of 10 codes)
     assert by["codes"] == 2 * 2 * (3 * 6 + 7 * 6)
     assert by["scales"] == by["zeros"] == 2 * 2 * 10 * 2  # one fp16 pair per token (G = head_dim)
     assert by["index"] == 2 * 2  # one bit per token and kv head, 10 bits -> 2 bytes per head

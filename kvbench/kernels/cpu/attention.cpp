@@ -10,7 +10,8 @@
 //   mix:    out[b, h, m, d] = sum_t p[b, h, m, t] x[b, h, t, d]
 //
 // The layouts are kvbench.quant.packing's (chunks of c codes in m bytes, little endian, code i the
-// i-th base-L digit) and the parameter tensors are read through their strides, so the views of
+// i-th base-L digit; base-L words of 2..4 bytes are split into groups of k digits, L^k <= 256, by
+// dividing by L^k, and each group read through the same 256-entry table) and the parameter tensors are read through their strides, so the views of
 // kvbench's doubling buffers are read in place. kvbench/quant/sources/ holds the plain-torch
 // reference every kernel here is tested against (tests/kernels/test_cpu_kernels.py).
 
@@ -257,12 +258,58 @@ struct Param {
   }
 };
 
+// Digits of a base-L word read through one 256-entry table: the largest k with L^k <= 256 (the codes
+// of a byte in the one-byte layouts).
+inline int64_t group_codes_of(int64_t levels) {
+  int64_t k = 1, p = levels;
+  while (p * levels <= 256) {
+    p *= levels;
+    ++k;
+  }
+  return k;
+}
+
+inline bool is_pow2(int64_t levels) { return (levels & (levels - 1)) == 0; }
+
+// Compile-time copies of the layout rules (kvbench.quant.packing) for the kernels specialised to one
+// level count: L^E, the digits per 256-entry group, and the tightest word of at most 4 bytes.
+template <int L, int E>
+constexpr uint64_t kPow = L * kPow<L, E - 1>;
+template <int L>
+constexpr uint64_t kPow<L, 0> = 1;
+
+template <int L>
+constexpr int kGroupCodes = [] {
+  int k = 1;
+  uint64_t p = L;
+  while (p * L <= 256) p *= L, ++k;
+  return k;
+}();
+
+struct ChunkShape {
+  int codes, bytes;
+};
+
+template <int L>
+constexpr ChunkShape kChunkShape = [] {
+  ChunkShape best{0, 1};
+  for (int m = 1; m <= 4; ++m) {
+    int c = 0;
+    uint64_t p = L;
+    while (p <= (uint64_t{1} << (8 * m))) p *= L, ++c;
+    if (c * best.bytes > best.codes * m) best = ChunkShape{c, m};
+  }
+  return best;
+}();
+
 // One stored row of codes -> D float32 values (table[code] * scale + zero, then RoPE).
 struct CodeRows {
   View4 codes;
   int64_t levels, head_dim, chunk_codes, chunk_bytes, bits;
-  const std::vector<float>* lut;    // [256 * chunk_codes] byte -> table values (one-byte chunks)
-  const std::vector<float>* table;  // [levels] (multi-byte chunks)
+  // base-L words of several bytes: groups of group_codes digits, split off by dividing by group_base
+  int64_t group_codes = 0, group_base = 0, groups = 0;
+  const std::vector<float>* lut;    // [256 * group codes] byte/group -> table values
+  const std::vector<float>* table;  // [levels] (multi-byte power-of-two chunks)
   Param scale, zero;
   // RoPE after the map: x'[d] = x[d] cos[p, d] + sign(d) x[d +- D/2] sin[p, d], p = offset + t
   const float* cos = nullptr;
@@ -278,8 +325,25 @@ struct CodeRows {
            const Param& scale_, const Param& zero_)
       : codes(codes_), levels(levels_), head_dim(head_dim_), chunk_codes(chunk_codes_),
         chunk_bytes(chunk_bytes_), lut(lut_), table(table_), scale(scale_), zero(zero_) {
-    bits = (levels & (levels - 1)) == 0 ? __builtin_ctzll(levels) : 0;
+    bits = is_pow2(levels) ? __builtin_ctzll(levels) : 0;
+    if (bits == 0 && chunk_bytes > 1) {
+      TORCH_CHECK(chunk_bytes <= 4, "base-L words are at most 4 bytes, got ", chunk_bytes);
+      group_codes = group_codes_of(levels);
+      group_base = 1;
+      for (int64_t i = 0; i < group_codes; ++i) group_base *= levels;
+      groups = (chunk_codes + group_codes - 1) / group_codes;
+      const ChunkShape fixed = levels == 5    ? kChunkShape<5>
+                               : levels == 7  ? kChunkShape<7>
+                               : levels == 9  ? kChunkShape<9>
+                               : levels == 10 ? kChunkShape<10>
+                               : levels == 11 ? kChunkShape<11>
+                                              : ChunkShape{int(chunk_codes), int(chunk_bytes)};
+      TORCH_CHECK(fixed.codes == chunk_codes && fixed.bytes == chunk_bytes, "levels=", levels,
+                  " packs ", fixed.codes, " codes in ", fixed.bytes, " bytes, not ", chunk_codes,
+                  " in ", chunk_bytes);
+    }
     const int64_t chunks = codes.cols / chunk_bytes;
+    // + 8: the last group of a base-L word writes up to group_codes - 1 floats past its chunk
     raw_stride = std::max<int64_t>(chunks * chunk_codes, head_dim) + 8;
     raw.resize(kSlots * raw_stride);
     out.resize(kSlots * head_dim);
@@ -298,6 +362,60 @@ struct CodeRows {
     for (int64_t j = 0; j < nbytes; ++j) std::memcpy(dst + j * C, l + row[j] * C, C * sizeof(float));
   }
 
+  // Base-L words of M bytes: the word is split into groups of K digits by dividing by L^K (a plain
+  // 32-bit division, measured faster here than digit-by-digit division, a double-precision
+  // reciprocal or a 128-bit multiply-shift), and each group's K values copied from the table. Groups
+  // are written in order, so the padding digits of a chunk's last group are overwritten by the next
+  // chunk (or land in the row buffer's slack).
+  template <int K, int M>
+  void unpack_words(const uint8_t* row, int64_t chunks, float* dst) {
+    const float* l = lut->data();
+    const uint32_t base = static_cast<uint32_t>(group_base);
+    const int64_t g = groups, c = chunk_codes;
+    for (int64_t j = 0; j < chunks; ++j) {
+      const uint8_t* b = row + j * M;
+      uint32_t word = b[0];
+      for (int k = 1; k < M; ++k) word |= static_cast<uint32_t>(b[k]) << (8 * k);
+      float* d = dst + j * c;
+      for (int64_t q = 0; q < g; ++q) {
+        const uint32_t high = word / base;
+        std::memcpy(d + q * K, l + (word - high * base) * K, K * sizeof(float));
+        word = high;
+      }
+    }
+  }
+
+  // The same with every size a compile-time constant, so the division by L^K is a multiply and shift
+  // and the group loop unrolls: the multi-byte level counts up to 16 (L = 5, 7, 9, 10, 11).
+  template <int L>
+  void unpack_words_fixed(const uint8_t* row, int64_t chunks, float* dst) {
+    constexpr int K = kGroupCodes<L>, M = kChunkShape<L>.bytes, C = kChunkShape<L>.codes;
+    constexpr int G = (C + K - 1) / K;
+    constexpr uint32_t base = kPow<L, K>;
+    const float* l = lut->data();
+    for (int64_t j = 0; j < chunks; ++j) {
+      const uint8_t* b = row + j * M;
+      uint32_t word = b[0];
+      for (int k = 1; k < M; ++k) word |= static_cast<uint32_t>(b[k]) << (8 * k);
+      float* d = dst + j * C;
+      for (int q = 0; q < G; ++q) {
+        const uint32_t high = word / base;
+        std::memcpy(d + q * K, l + (word - high * base) * K, K * sizeof(float));
+        word = high;
+      }
+    }
+  }
+
+  template <int K>
+  void unpack_words_k(const uint8_t* row, int64_t chunks, float* dst) {
+    switch (chunk_bytes) {
+      case 2: unpack_words<K, 2>(row, chunks, dst); break;
+      case 3: unpack_words<K, 3>(row, chunks, dst); break;
+      case 4: unpack_words<K, 4>(row, chunks, dst); break;
+      default: TORCH_CHECK(false, "unsupported base-L word of ", chunk_bytes, " bytes");
+    }
+  }
+
   const float* operator()(int64_t t, int slot) {
     const uint8_t* row = static_cast<const uint8_t*>(codes.at(b, h, t, 0));
     float* dst = raw.data() + slot * raw_stride;
@@ -311,6 +429,23 @@ struct CodeRows {
         case 5: unpack_bytes<5>(row, nbytes, dst); break;
         case 8: unpack_bytes<8>(row, nbytes, dst); break;
         default: TORCH_CHECK(false, "unsupported chunk of ", chunk_codes, " codes per byte");
+      }
+    } else if (bits == 0) {
+      const int64_t chunks = nbytes / chunk_bytes;
+      switch (levels) {
+        case 5: unpack_words_fixed<5>(row, chunks, dst); break;
+        case 7: unpack_words_fixed<7>(row, chunks, dst); break;
+        case 9: unpack_words_fixed<9>(row, chunks, dst); break;
+        case 10: unpack_words_fixed<10>(row, chunks, dst); break;
+        case 11: unpack_words_fixed<11>(row, chunks, dst); break;
+        default:
+      switch (group_codes) {
+        case 1: unpack_words_k<1>(row, chunks, dst); break;
+        case 2: unpack_words_k<2>(row, chunks, dst); break;
+        case 3: unpack_words_k<3>(row, chunks, dst); break;
+        case 5: unpack_words_k<5>(row, chunks, dst); break;
+        default: TORCH_CHECK(false, "unsupported group of ", group_codes, " base-L digits");
+      }
       }
     } else {
       // chunks of several bytes (L = 8, 32, 64, 128): a little-endian word of at most 7 bytes
@@ -563,12 +698,14 @@ CodeTables make_tables(const at::Tensor& table, int64_t levels, int64_t chunk_co
   TORCH_CHECK(tab.numel() == levels, "table must hold one value per level");
   CodeTables t;
   t.table.assign(tab.data_ptr<float>(), tab.data_ptr<float>() + levels);
-  if (chunk_bytes == 1) {
-    t.lut.resize(256 * chunk_codes);
+  if (chunk_bytes == 1 || !is_pow2(levels)) {
+    // the k digits of every byte (one-byte chunks: k = chunk_codes) or digit group (base-L words)
+    const int64_t k = chunk_bytes == 1 ? chunk_codes : group_codes_of(levels);
+    t.lut.resize(256 * k);
     for (int64_t byte = 0; byte < 256; ++byte) {
       int64_t rest = byte;
-      for (int64_t i = 0; i < chunk_codes; ++i) {
-        t.lut[byte * chunk_codes + i] = t.table[rest % levels];
+      for (int64_t i = 0; i < k; ++i) {
+        t.lut[byte * k + i] = t.table[rest % levels];
         rest /= levels;
       }
     }
