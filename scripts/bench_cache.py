@@ -47,6 +47,7 @@ from kvbench.cache.transient import PeakTransient
 from kvbench.data import resolve_data_root
 from kvbench.errors import ConfigError
 from kvbench.generate import ModelRunner
+from kvbench.kernels.counting import count_ops
 from kvbench.kernels.cpu import backend_in_use
 from kvbench.methods import METHODS, build_method
 
@@ -162,12 +163,16 @@ def bench_context(loaded: LoadedModel, n: int, labels: list[str], steps: int, wa
                     c.times.append(elapsed)
                 if c is reference:
                     tokens.append(int(logits[0, -1].argmax()))
-        peaks = {}
+        peaks, counts = {}, {}
         for c in contenders:
             gc.collect()
             with PeakTransient() as tracker:
                 c.step(torch.tensor([[tokens[-1]]]))
             peaks[c.label] = tracker.peak
+            # one more step under the op counter (after the timed ones: counting slows it down)
+            with count_ops() as counted:
+                c.step(torch.tensor([[tokens[-1]]]))
+            counts[c.label] = counted
     by_label = {c.label: statistics.median(c.times) for c in contenders}
     dyn, fp16 = by_label.get("DynamicCache"), by_label.get("fp16")
     rows = []
@@ -182,6 +187,8 @@ def bench_context(loaded: LoadedModel, n: int, labels: list[str], steps: int, wa
                 "vs_fp16": round(t / fp16, 3) if fp16 else None,
                 "kv_bytes": c.kv_bytes(),
                 "peak_transient_bytes": peaks[c.label],
+                "ops_per_step": counts[c.label].total_ops,
+                "syncs_per_step": counts[c.label].total_syncs,
             }
         )
         print(rows[-1], file=sys.stderr, flush=True)
@@ -200,13 +207,18 @@ def markdown(rows: list[dict], args) -> str:
         f"Stored tokens read by: {args.readers} (kvbench's `method.backend=auto`; `compiled` is "
         "kvbench/kernels/cpu, `torch` the reference where a part has no kernel).",
         "",
-        "| context | cache | step ms | vs DynamicCache | vs kvbench fp16 | KV bytes | peak transient bytes |",
-        "|--:|:--|--:|--:|--:|--:|--:|",
+        "Ops and syncs: aten operations and host synchronisations of one more step, counted by "
+        "kvbench.kernels.counting (a compiled kernel call is one operation).",
+        "",
+        "| context | cache | step ms | vs DynamicCache | vs kvbench fp16 | KV bytes | peak transient bytes "
+        "| ops/step | syncs/step |",
+        "|--:|:--|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['context']} | {r['cache']} | {r['step_ms']:.2f} | {r['vs_DynamicCache']} | "
-            f"{r['vs_fp16']} | {r['kv_bytes']:,} | {r['peak_transient_bytes']:,} |"
+            f"{r['vs_fp16']} | {r['kv_bytes']:,} | {r['peak_transient_bytes']:,} | "
+            f"{r['ops_per_step']:,} | {r['syncs_per_step']} |"
         )
     lines += ["", *targets(rows)]
     return "\n".join(lines) + "\n"
