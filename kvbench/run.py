@@ -422,6 +422,11 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
             # a resubmitted sweep: this point is complete, so skip the model load as well
             stored = trusted_metrics(folder, finished, task, [done[s["id"]] for s in samples])
             if stored is not None:
+                from kvbench.logger import log_run
+
+                # the logger's run id is the run's: a finished point logged again updates its
+                # wandb run (one per configuration), where a first logging was missed or failed
+                log_run(config, stored)
                 return {**stored, "folder": str(folder.path)}
         code = code_identity(method, task)
         accepted = check_resume(folder, len(done) if todo else 0, code, run_cfg.output.resume)
