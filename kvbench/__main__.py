@@ -1,10 +1,15 @@
-"""``python -m kvbench``: the Hydra entry.
+"""``kvbench`` (the console script) and ``python -m kvbench``: the Hydra entry.
 
-    python -m kvbench                                  # FP16 baseline, default model and task
-    python -m kvbench +method=kivi bits=2              # one method, one bit width
-    python -m kvbench -m +method=uniform,kivi bits=2,4 # a sweep (Hydra multirun)
+    kvbench                                            # FP16 baseline, default model and task
+    kvbench +method=kivi bits=2                        # one method, one bit width
+    kvbench -m +method=uniform,kivi bits=2,4           # a sweep (Hydra multirun)
+    kvbench -m +experiment=semkv_cliff                 # an experiment node: its sweep and analysis plan
+    kvbench -m hydra/sweeper=optuna objective=score 'bits=choice(1,2,3,4)'   # any Hydra sweeper
+    eval "$(kvbench -sc install=bash)"                 # Hydra's tab completion, for the console script
 
-    python -m kvbench -m +experiment=semkv_cliff      # an experiment node: its sweep and analysis plan
+Config nodes come from the package (``kvbench/conf``) and then from the user's own folders
+(``./conf``, the checkout's ``conf/``, ``$KVBENCH_CONFIG_PATH``; :func:`kvbench.paths.user_config_dirs`):
+every check here looks in all of them, as Hydra does.
 
 User errors (unknown names, bad values, missing data) print one line naming the key and exit 2. An
 experiment whose methods or tasks are not available yet (no config node, or not registered) fails
@@ -20,6 +25,7 @@ seconds, before a model loads or a folder (Hydra's own included) is made. Hydra'
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import signal
@@ -37,9 +43,28 @@ from kvbench.config import unknown_key
 from kvbench.errors import ConfigError, Interrupted, Terminated
 
 CONF_DIR = str(paths.CONF_DIR)
+# Method nodes that experiments choose through ``+experiment/arms/NAME@method``: not for the command
+# line, so --help and the choice lists leave them out.
+INTERNAL_GROUPS = ("experiment/arms",)
 CHECKED_GROUPS = ("model", "task", "method", "experiment")
 # Groups whose choices must also be registered in code (a node alone does not make a method run).
 REGISTERED_GROUPS = ("task", "method")
+
+
+def search_dirs(conf_dir: str | Path = CONF_DIR) -> list[Path]:
+    """The folders config nodes are looked up in: the shipped ones and the user's
+    (:func:`kvbench.paths.config_dirs`) for the default ``conf_dir``, else that folder alone."""
+    return paths.config_dirs() if str(conf_dir) == CONF_DIR else [Path(conf_dir)]
+
+
+def find_node(relative: str, conf_dir: str | Path = CONF_DIR) -> Path | None:
+    """The first ``<dir>/<relative>`` file of :func:`search_dirs`, as Hydra would compose it."""
+    return next((d / relative for d in search_dirs(conf_dir) if (d / relative).is_file()), None)
+
+
+def group_options(group: str, conf_dir: str | Path = CONF_DIR) -> list[str]:
+    """Every node name of ``group`` across :func:`search_dirs`, sorted."""
+    return sorted({p.stem for d in search_dirs(conf_dir) for p in (d / group).glob("*.yaml")})
 
 
 def check_group_choices(argv: list[str]) -> None:
@@ -49,8 +74,7 @@ def check_group_choices(argv: list[str]) -> None:
         key, sep, value = arg.lstrip("+~").partition("=")
         if not sep or key not in CHECKED_GROUPS:
             continue
-        folder = Path(CONF_DIR) / key
-        known = experiment_choices() if key == "experiment" else sorted(p.stem for p in folder.glob("*.yaml"))
+        known = experiment_choices() if key == "experiment" else group_options(key)
         for choice in value.split(","):
             if choice not in known:
                 raise ConfigError(key, choice, f"known {key} nodes: {', '.join(known)}")
@@ -60,8 +84,11 @@ def experiment_choices(conf_dir: str = CONF_DIR) -> list[str]:
     """Every ``+experiment=`` choice: the nodes ``NAME`` and their profile variants ``PROFILE/NAME``
     (``conf/experiment/paper/NAME.yaml``, see :mod:`kvbench.reproduce`); the arms under ``arms/``
     are method nodes, chosen through ``+experiment/arms/NAME@method``, not experiments."""
-    folder = Path(conf_dir) / "experiment"
-    found = (p.relative_to(folder).with_suffix("") for p in folder.rglob("*.yaml"))
+    found = {
+        p.relative_to(d / "experiment").with_suffix("")
+        for d in search_dirs(conf_dir)
+        for p in (d / "experiment").rglob("*.yaml")
+    }
     return sorted(p.as_posix() for p in found if p.parts[0] != "arms")
 
 
@@ -69,7 +96,7 @@ def load_experiment(name: str, conf_dir: str = CONF_DIR) -> dict:
     """The node ``conf/experiment/NAME.yaml`` as a plain dict. A profile variant that includes its
     node (``defaults: [/experiment/NODE, ...]``) comes back merged over that node, as Hydra composes
     it: the node's keys, the variant's on top, both defaults lists (the variant's after the node's)."""
-    path = Path(conf_dir) / "experiment" / f"{name}.yaml"
+    path = find_node(f"experiment/{name}.yaml", conf_dir) or Path(conf_dir) / "experiment" / f"{name}.yaml"
     node = OmegaConf.to_container(OmegaConf.load(path))
     merged: dict = {}
     defaults: list = []
@@ -137,11 +164,11 @@ def experiment_requirements(node: dict, conf_dir: str = CONF_DIR) -> dict[str, s
         elif key.startswith("method.") and key.endswith(".name"):
             needs["method"] |= values
         elif key.endswith("@method"):
-            folder = Path(conf_dir) / key.partition("@")[0]
+            folder = key.partition("@")[0]
             for arm in sorted(values):
-                path = folder / f"{arm}.yaml"
-                if not path.is_file():
-                    needs["arm"].add(str(path.relative_to(conf_dir)))
+                path = find_node(f"{folder}/{arm}.yaml", conf_dir)
+                if path is None:
+                    needs["arm"].add(f"{folder}/{arm}.yaml")
                     continue
                 arm_node = OmegaConf.to_container(OmegaConf.load(path))
                 _defaults_choices(arm_node, needs)
@@ -163,7 +190,7 @@ def check_experiment(name: str, conf_dir: str = CONF_DIR) -> None:
     for group, names in needs.items():
         for choice in sorted(names):
             why = []
-            if not (Path(conf_dir) / group / f"{choice}.yaml").is_file():
+            if find_node(f"{group}/{choice}.yaml", conf_dir) is None:
                 why.append(f"no conf/{group}/{choice}.yaml")
             if choice not in registered[group]:
                 why.append("not registered")
@@ -231,7 +258,7 @@ def hydra_error(err: Exception, loader, config_name: str, overrides: list[str]) 
         parent, _, leaf = str(missing).rpartition(".")
         typed = next((o for o in overrides if o.partition("=")[0].lstrip("+~") == key), f"{key}=")
         value = _override_parts(typed)[1]
-        if missing == key.split(".")[0] != key and (Path(CONF_DIR) / missing).is_dir():
+        if missing == key.split(".")[0] != key and any((d / missing).is_dir() for d in search_dirs()):
             # a key inside a group node that is not there when plain keys are applied
             chosen = next((o for o in overrides if o.partition("=")[0].lstrip("+~") == missing), None)
             if chosen:
@@ -359,7 +386,7 @@ def sweep_points(
         return
     sweep = sweep_jobs(argv_overrides, config_name)
     if sweep is None:
-        return  # another sweeper expands its own search space; each job still checks itself
+        return  # a sweeper with no search space here (its own plugin logic); each job checks itself
     master, jobs = sweep
     if masters is not None:
         masters.append(master)
@@ -368,13 +395,35 @@ def sweep_points(
         yield label, run_config(cfg)
 
 
+# A sampling sweeper's search space up to this many points is checked point by point; a larger one
+# value by value (each value of each parameter once), which finds every bad value in seconds.
+MAX_SEARCH_POINTS = 256
+
+
+def _sweep_values(override) -> list[str]:
+    """The values a sweep override can take, as override text: every value of a choice or range
+    (what any sweeper draws from); an interval's two ends (a continuous search space cannot be
+    listed, and its ends are where a bad value such as ``bits=9`` sits)."""
+    from hydra.core.override_parser.types import IntervalSweep
+
+    sweep = override.value()
+    if not isinstance(sweep, IntervalSweep):
+        return list(override.sweep_string_iterator())
+    ints = "int" in (sweep.tags or set()) or all(float(v).is_integer() for v in (sweep.start, sweep.end))
+    return [str(int(v)) if ints else repr(float(v)) for v in (sweep.start, sweep.end)]
+
+
 def sweep_jobs(argv_overrides: list[str], config_name: str = "config"):
     """``(master, [(label, overrides), ...])``: the multirun's composed master config and the
-    override list of every job it launches, in Hydra's basic-sweeper order (the node's own
-    ``hydra.sweeper.params`` first, then the command line), without composing the jobs. ``label``
-    names the swept values of the job. None when the sweeper is not Hydra's basic one. Needs an
+    override list of every job it could launch, without composing the jobs. ``label`` names the
+    swept values of the job. For Hydra's basic sweeper these are its jobs in its order (the node's
+    own ``hydra.sweeper.params`` first, then the command line); for any other sweeper (Optuna,
+    Nevergrad, Ax) every point of its search space, the product of each parameter's choices (an
+    interval by its two ends): whatever it draws, each value it can draw was checked. None when a
+    sweeper names no ``params`` and the command line sweeps nothing (nothing to enumerate). Needs an
     initialized Hydra (``initialize_config_dir``)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    import itertools
+
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
@@ -387,9 +436,8 @@ def sweep_jobs(argv_overrides: list[str], config_name: str = "config"):
         lambda: loader.load_configuration(config_name, argv_overrides, RunMode.MULTIRUN),
     )
     sweeper = master.hydra.sweeper
-    if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
-        return None
-    params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+    raw_params = sweeper.get("params") if "params" in sweeper else None
+    params = [f"{k}={v}" for k, v in (raw_params or {}).items()]
     parsed = _compose(
         loader,
         config_name,
@@ -397,8 +445,34 @@ def sweep_jobs(argv_overrides: list[str], config_name: str = "config"):
         lambda: OverridesParser.create(config_loader=loader).parse_overrides(params + argv_overrides),
     )
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
-    jobs = BasicSweeper.split_arguments(parsed, None)[0]
-    return master, [(" ".join(o for o in job if o.partition("=")[0] in swept), list(job)) for job in jobs]
+    basic = str(sweeper.get("_target_", "")).endswith("BasicSweeper")
+    if not basic and not swept and not params:
+        return None
+    axes: dict[str, list[str]] = {}
+    for override in parsed:  # later overrides of a key replace earlier ones, as in Hydra
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            if basic and not override.is_discrete_sweep():
+                raise ConfigError(
+                    key,
+                    (override.input_line or "").partition("=")[2],
+                    "Hydra's basic sweeper runs lists and ranges; an interval needs a sweeper that samples "
+                    "(hydra/sweeper=optuna, with objective=...)",
+                )
+            axes[key] = [f"{key}={v}" for v in _sweep_values(override)]
+        else:
+            axes[key] = [f"{key}={override.get_value_element_as_str()}"]
+    if basic or math.prod(len(v) for v in axes.values()) <= MAX_SEARCH_POINTS:
+        jobs = [list(job) for job in itertools.product(*axes.values())]
+    else:
+        # A large search space: each value of each parameter once, the others at their first value.
+        base = [values[0] for values in axes.values()]
+        jobs = [base] + [
+            [value if k == i else base[k] for k in range(len(base))]
+            for i, values in enumerate(axes.values())
+            for value in values[1:]
+        ]
+    return master, [(" ".join(o for o in job if o.partition("=")[0] in swept), job) for job in jobs]
 
 
 def preflight(argv: list[str]) -> None:
@@ -516,7 +590,40 @@ def main(cfg: DictConfig) -> dict:
     row = summary_line(metrics)
     print(format_table([row]))
     print(f"results: {metrics['folder']}")
+    if cfg.get("objective") is not None:
+        from kvbench.objective import objective_value
+
+        # an optimizing sweeper (Optuna, Nevergrad, Ax) reads one float per trial, or one per objective
+        objective = cfg.objective
+        objective = OmegaConf.to_container(objective) if OmegaConf.is_config(objective) else objective
+        value = objective_value(metrics, objective)
+        print(f"objective: {objective} = {value}")
+        return value
     return {**row, "folder": metrics["folder"]}  # a submitit launcher's sweep summary is made of these
+
+
+def help_groups() -> str:
+    """The config groups ``--help`` lists: every group of the search path (the user's ``conf/``
+    folders included) but Hydra's own and :data:`INTERNAL_GROUPS`, one line each."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    hydra_app = GlobalHydra.instance().hydra
+    if hydra_app is None:
+        return ""
+    return hydra_app.format_config_groups(
+        lambda g: not g.startswith("hydra") and not any(g.startswith(i) for i in INTERNAL_GROUPS)
+    ).rstrip()
+
+
+if not OmegaConf.has_resolver("kvbench.help_groups"):
+    OmegaConf.register_new_resolver("kvbench.help_groups", help_groups)
+
+
+def entry() -> None:
+    """The ``kvbench`` console script (pyproject ``[project.scripts]``): ``kvbench ARGS`` is
+    ``python -m kvbench ARGS``, and Hydra's shell completion (``eval "$(kvbench -sc install=bash)"``)
+    completes it, which it cannot do for ``python -m``."""
+    cli(sys.argv[1:])
 
 
 if __name__ == "__main__":

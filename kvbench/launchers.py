@@ -169,6 +169,9 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
             os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
         indices = [initial_job_idx + i for i in range(len(job_overrides))]
         labels = _point_labels(job_overrides)
+        if self.params.get("name") == self.config.hydra.job.name:
+            # the plugin's default (the app's name): the scheduler's queue shows what runs instead
+            self.params["name"] = job_name(self.config, job_overrides)
         executor = self._executor()
         state = Singleton.get_state()
         jobs = executor.map_array(
@@ -255,7 +258,10 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
             row: dict[str, Any] = {"#": index, "point": label}
             if outcome.error is None:
                 value = outcome.job_return.return_value if outcome.job_return is not None else None
-                row.update({k: v for k, v in (value or {}).items() if k != "folder"})
+                if isinstance(value, dict) or value is None:
+                    row.update({k: v for k, v in (value or {}).items() if k != "folder"})
+                else:  # objective=...: the number(s) the point returned to the sweeper
+                    row["objective"] = value
             row["state"] = outcome.state
             row["log"] = outcome.log_file
             rows.append(row)
@@ -279,6 +285,30 @@ def _failure_line(index: int, label: str, outcome: Outcome) -> str:
     if outcome.error.user_error:
         return f"kvbench: error: point #{index} ({label}): {outcome.error} [log: {outcome.log_file}]"
     return f"kvbench: point #{index} ({label}) {outcome.state}: {outcome.error} [log: {outcome.log_file}]"
+
+
+JOB_NAME_MAX = 96  # squeue shows a few dozen characters; sacct stores more
+
+
+def job_name(config: Any, job_overrides: Sequence[Sequence[str]]) -> str:
+    """The scheduler's name for a sweep's job array: ``kvbench-<task>-<method>``, each the values the
+    points take (``niah-kivi+uniform``; an experiment's arms by arm name), from the points'
+    overrides or, where they set none, the sweep's config (no method: ``fp16``)."""
+    from omegaconf import OmegaConf
+
+    tasks: dict[str, None] = {}
+    methods: dict[str, None] = {}
+    for overrides in job_overrides:
+        values = {}
+        for override in overrides:
+            key, _, value = override.lstrip("+~").partition("=")
+            values[key] = value
+        tasks[values.get("task") or str(OmegaConf.select(config, "task.name", default="task"))] = None
+        method = values.get("method") or next((v for k, v in values.items() if k.endswith("@method")), None)
+        methods[method or str(OmegaConf.select(config, "method.name", default="fp16"))] = None
+    name = f"kvbench-{'+'.join(tasks)}-{'+'.join(methods)}"
+    name = "".join(c if c.isalnum() or c in "+-_." else "_" for c in name)
+    return name if len(name) <= JOB_NAME_MAX else name[: JOB_NAME_MAX - 3] + "..."
 
 
 def _point_labels(job_overrides: Sequence[Sequence[str]]) -> list[str]:
@@ -338,12 +368,12 @@ PLUGIN_MODULE = "hydra_plugins.kvbench_launcher"
 
 @dataclass
 class _LocalConf(LocalQueueConf):
-    _target_: str = f"{PLUGIN_MODULE}.LocalLauncher"
+    _target_: str = f"{PLUGIN_MODULE}.KvbenchLocalLauncher"
 
 
 @dataclass
 class _SlurmConf(SlurmQueueConf):
-    _target_: str = f"{PLUGIN_MODULE}.SlurmLauncher"
+    _target_: str = f"{PLUGIN_MODULE}.KvbenchSlurmLauncher"
 
 
 def register() -> None:

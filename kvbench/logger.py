@@ -152,14 +152,15 @@ class WandbLogger:
     def active(self) -> bool:
         return self.run is not None
 
-    def _init(self, wandb, mode: str, config: dict[str, Any], name: str | None, job_type: str):
+    def _init(self, wandb, mode: str, config: dict[str, Any], name: str | None, job_type: str, **run: Any):
         directory = self.cfg.dir or os.environ.get("WANDB_DIR")
         if directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
+        group = self.cfg.group or run.pop("group", None)
         return wandb.init(
             project=self.cfg.project,
             entity=self.cfg.entity,
-            group=self.cfg.group,
+            group=group,
             tags=list(self.cfg.tags) or None,
             name=name,
             job_type=job_type,
@@ -167,10 +168,21 @@ class WandbLogger:
             mode=mode,
             dir=directory,
             settings=wandb.Settings(init_timeout=float(self.cfg.init_timeout), silent=True, console="off"),
+            **run,
         )
 
-    def start(self, config: dict[str, Any], name: str | None = None, job_type: str = "run") -> None:
-        """Open a wandb run holding ``config``; on any failure, warn and stay inactive."""
+    def start(
+        self,
+        config: dict[str, Any],
+        name: str | None = None,
+        job_type: str = "run",
+        group: str | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        """Open a wandb run holding ``config``; on any failure, warn and stay inactive. ``group``:
+        the wandb group where ``logger.group`` names none; ``run_id``: the wandb run's id, resumed
+        when it exists (``resume="allow"``), so logging one configuration twice makes one run."""
+        run = {"group": group, **({"id": run_id, "resume": "allow"} if run_id else {})}
         try:
             import wandb
         except ImportError as err:
@@ -180,7 +192,7 @@ class WandbLogger:
         if mode == "offline" and self.cfg.mode == "auto" and "WANDB_MODE" not in os.environ:
             print(f"kvbench: wandb offline: {reason}", file=sys.stderr)
         try:
-            self.run = self._init(wandb, mode, config, name, job_type)
+            self.run = self._init(wandb, mode, config, name, job_type, **run)
             self.mode = mode
         except Exception as err:
             if mode != "online":
@@ -188,7 +200,7 @@ class WandbLogger:
                 return
             _warn(f"wandb online init failed ({type(err).__name__}: {err}); retrying offline")
             try:
-                self.run = self._init(wandb, "offline", config, name, job_type)
+                self.run = self._init(wandb, "offline", config, name, job_type, **run)
                 self.mode = "offline"
             except Exception as err2:
                 _warn(f"wandb offline init failed ({type(err2).__name__}: {err2}); continuing without wandb")
@@ -262,14 +274,38 @@ def log_run(config: dict[str, Any], metrics: dict[str, Any]) -> None:
     if isinstance(logger, NullLogger):
         return
     name = "/".join(str(metrics.get(k)) for k in ("task", "model", "method")) + f"/seed{metrics.get('seed')}"
-    logger.start({k: v for k, v in config.items() if k != "logger"}, name=name)
+    logger.start(
+        {k: v for k, v in config.items() if k != "logger"},
+        name=name,
+        group=experiment_group(config, metrics.get("task")),
+        run_id=metrics.get("run_id"),
+    )
     logger.log_run(metrics)
     logger.finish()
 
 
+def experiment_group(config: dict[str, Any], task: Any = None) -> str:
+    """The wandb group of a run: its experiment (``analysis.name``), else ``adhoc-<task>``, the
+    names the archives use, so an experiment's runs and its report sit in one group."""
+    name = (config.get("analysis") or {}).get("name")
+    return str(name) if name else f"adhoc-{task or (config.get('task') or {}).get('name')}"
+
+
 def log_report(result: dict[str, Any], node: dict[str, Any] | None = None) -> None:
-    """Log a finished report to wandb as its own run (job type ``report``)."""
+    """Log a finished report to wandb as its own run (job type ``report``), in the group of the
+    experiment it reports on (one experiment; several: no group), its config naming the runs it
+    read (their wandb ids are their run ids)."""
     logger = build_logger({"name": "wandb", **(node or {})})
-    logger.start({"report_dir": str(result["out"])}, name=f"report/{result['out']}", job_type="report")
+    frame = result.get("frame")
+    runs = sorted(map(str, frame["run_id"].unique())) if frame is not None and "run_id" in frame else []
+    groups = set()
+    if frame is not None and not frame.empty:
+        groups = {
+            str(e) if isinstance(e, str) and e else f"adhoc-{t}"
+            for e, t in zip(frame["experiment"], frame["task"], strict=True)
+        }
+    config = {"report_dir": str(result["out"]), "runs": runs, "experiments": sorted(groups)}
+    group = next(iter(groups)) if len(groups) == 1 else None
+    logger.start(config, name=f"report/{result['out']}", job_type="report", group=group)
     logger.log_report(result)
     logger.finish()

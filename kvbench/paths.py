@@ -15,6 +15,10 @@
   folder kvbench writes passes (a name that becomes a folder is one safe name; a write lands inside
   the output root, the cache or the folder the user named).
 - :func:`cache_dir`: kvbench's cache (``$KVBENCH_CACHE_DIR``, else ``~/.cache/kvbench``).
+- :func:`user_config_dirs`: the user's own config nodes, searched after :data:`CONF_DIR`:
+  ``./conf`` in the working directory, ``conf/`` beside the checkout kvbench is imported from, and
+  each folder of ``$KVBENCH_CONFIG_PATH`` (``os.pathsep``-separated). ``conf/model/my-llama.yaml``
+  there is ``model=my-llama``, as a shipped node would be; a shipped node of the same name wins.
 """
 
 from __future__ import annotations
@@ -123,3 +127,43 @@ def check_cache_writable() -> None:
     root = cache_dir()
     what = "a folder kvbench can create and write its cache in (a model is converted into it)"
     check_writable_folder(CACHE_ENV, os.environ.get(CACHE_ENV) or str(root), root, what)
+
+
+# --- the user's own config nodes ------------------------------------------------------------------
+
+CONFIG_PATH_ENV = "KVBENCH_CONFIG_PATH"
+
+
+def user_config_dirs(strict: bool = True) -> list[Path]:
+    """The folders of the user's own config nodes, in search order, each once: ``./conf``, the
+    checkout's ``conf/`` (when they are folders), then every entry of ``$KVBENCH_CONFIG_PATH``.
+    ``strict``: an entry of the variable that is not a folder is a ConfigError naming the variable
+    (else it is skipped: Hydra's search path plugin must not fail where the CLI reports it)."""
+    found: list[Path] = []
+    candidates = [Path.cwd() / "conf"]
+    checkout = source_checkout()
+    if checkout is not None:
+        candidates.append(checkout / "conf")
+    candidates = [c for c in candidates if c.is_dir()]
+    raw = os.environ.get(CONFIG_PATH_ENV) or ""
+    for entry in filter(None, raw.split(os.pathsep)):
+        path = Path(entry).expanduser()
+        if not path.is_dir():
+            if strict:
+                why = "is a file" if path.exists() else "does not exist"
+                raise ConfigError(
+                    CONFIG_PATH_ENV, raw, f"folders of config nodes, joined by {os.pathsep!r}; {entry} {why}"
+                )
+            continue
+        candidates.append(path)
+    for path in candidates:
+        resolved = path.resolve()
+        if resolved != CONF_DIR.resolve() and resolved not in found:
+            found.append(resolved)
+    return found
+
+
+def config_dirs(strict: bool = True) -> list[Path]:
+    """Every folder Hydra composes from: the shipped :data:`CONF_DIR` first, then
+    :func:`user_config_dirs`."""
+    return [CONF_DIR, *user_config_dirs(strict)]

@@ -122,11 +122,11 @@ def report_unit(
         _write_table(table, folder / name)
     figs = [
         figures.save(
-            figures.cliff_map(means, paired, plan["reference"], metric, f"{task} / {model}", grid_key),
+            figures.cliff_map(means, paired, plan["reference"], metric, unit.title, grid_key),
             folder / "cliff_map.png",
         ),
         figures.save(
-            figures.memory_quality(means, plan["reference"], metric, f"{task} / {model}"),
+            figures.memory_quality(means, plan["reference"], metric, unit.title),
             folder / "memory_quality.png",
         ),
     ]

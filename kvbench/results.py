@@ -27,9 +27,9 @@ from kvbench.config import require
 
 # Keys that say where things are, not what is computed: left out of the run id.
 PATH_KEYS = {"output", "data", "hydra", "logger"}
-# The experiment's pre-declared analysis plan: stored in config.json, but it changes no sample, so
-# one run serves every experiment whose plan reads it.
-NON_RUN_KEYS = PATH_KEYS | {"analysis"}
+# The experiment's pre-declared analysis plan and the number handed to an optimizing sweeper: stored
+# in config.json, but they change no sample, so one run serves every plan and every objective.
+NON_RUN_KEYS = PATH_KEYS | {"analysis", "objective"}
 
 
 def canonical_json(obj: Any) -> str:

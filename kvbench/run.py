@@ -33,6 +33,7 @@ from kvbench.errors import ConfigError, Interrupted, Terminated
 from kvbench.kernels.cpu import backend_in_use
 from kvbench.methods import Method, build_method
 from kvbench.methods.base import with_run_bits
+from kvbench.objective import check_objective, objective_names
 
 # format_table lives with the results so that a sweep's driver can print a table without importing torch.
 from kvbench.results import (  # noqa: F401
@@ -94,6 +95,9 @@ class RunConfig:
     device: str = "auto"
     output: OutputConfig = field(default_factory=OutputConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    # what the run returns to an optimizing sweeper (kvbench/objective.py): a name or a list of
+    # names; null: its summary row
+    objective: Any = None
 
     def __post_init__(self):
         # a negative or fractional seed would run, into a folder named seed-1 or seed1.5
@@ -110,6 +114,7 @@ class RunConfig:
             "a positive number (log2 of a level count), or null for the method's default",
         )
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        objective_names(self.objective)  # a name or a list of names; which names: the task's (plan_run)
         if self.device == "cuda" and not torch.cuda.is_available():
             why = "torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
             raise ConfigError("device", self.device, f"auto or cpu here: {why}")
@@ -281,6 +286,7 @@ def check_environment() -> None:
 
     configured_block_size()
     paths.cache_dir()
+    paths.user_config_dirs()  # KVBENCH_CONFIG_PATH: Hydra's search path skips a bad entry silently
     hub_offline()
     interpreting()
 
@@ -321,6 +327,7 @@ def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
     run_cfg.output.check_root()
     data_root = resolve_data_root(run_cfg.data.root)
     task = build_task(config.get("task"), data_root, run_cfg.seed)
+    check_objective(run_cfg.objective, task.primary_metric)
     task_key = canonical_json([config.get("task"), config.get("model"), str(data_root), run_cfg.seed])
     known = (checked_tasks or {}).get(task_key)
     samples = known if known is not None else task.samples()  # fails on missing or unreadable data
@@ -415,6 +422,11 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
             # a resubmitted sweep: this point is complete, so skip the model load as well
             stored = trusted_metrics(folder, finished, task, [done[s["id"]] for s in samples])
             if stored is not None:
+                from kvbench.logger import log_run
+
+                # the logger's run id is the run's: a finished point logged again updates its
+                # wandb run (one per configuration), where a first logging was missed or failed
+                log_run(config, stored)
                 return {**stored, "folder": str(folder.path)}
         code = code_identity(method, task)
         accepted = check_resume(folder, len(done) if todo else 0, code, run_cfg.output.resume)

@@ -2,13 +2,14 @@
 ``OUT/<notebook>.png`` (``_2``, ``_3``... for further figures) and each markdown output (tables) as
 ``OUT/<notebook>.md``.
 
-    python scripts/make_figures.py                                  # results/runs -> results/figures
-    python scripts/make_figures.py --results results/runs/experiments/semkv_cliff --out /tmp/figs
+    python scripts/make_figures.py                         # the committed archives -> results/figures
+    python scripts/make_figures.py --results results/runs --out /tmp/figs        # run folders instead
     python scripts/make_figures.py --notebooks cliff_map claims_table
 
-The notebooks read ``KVBENCH_RESULTS`` (set from ``--results``) and run with ``notebooks/`` as their
-working directory, as in Jupyter. A notebook that fails is reported in one line and the others
-still run; the exit status is 1 when any failed.
+The notebooks read the committed archives (``../results``) or ``KVBENCH_RESULTS`` (set from
+``--results``: archives or run folders alike, through ``kvbench.analysis.load_results``) and run
+with ``notebooks/`` as their working directory, as in Jupyter. A notebook that fails is reported
+in one line and the others still run; the exit status is 1 when any failed.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def run_notebook(path: Path, out: Path, timeout: int) -> tuple[list[Path], list[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--results", default=str(REPO / "results" / "runs"), help="folder of runs for the notebooks"
+        "--results",
+        help="a results/ folder of archives or a folder of runs (default: the notebooks' own, ../results)",
     )
     parser.add_argument(
         "--out", default=str(REPO / "results" / "figures"), help="where the PNGs and tables go"
@@ -77,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     args = parser.parse_args(argv)
 
-    results = Path(args.results).resolve()
-    if not results.is_dir():
+    results = Path(args.results).resolve() if args.results else None
+    if results is not None and not results.is_dir():
         print(f"make_figures: error: --results={args.results}: no such directory", file=sys.stderr)
         return 2
     names = args.notebooks or sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
@@ -91,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # The kernel inherits this process's environment.
-    os.environ["KVBENCH_RESULTS"] = str(results)
+    # The kernel inherits this process's environment, and imports this checkout's kvbench (the one
+    # the notebooks sit in) even where another is installed.
+    if results is not None:
+        os.environ["KVBENCH_RESULTS"] = str(results)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     failed = 0
     for name in names:

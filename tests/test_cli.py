@@ -116,3 +116,55 @@ def test_slurm_launcher_node_composes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "SlurmLauncher" in proc.stdout and "partition: gpu" in proc.stdout
     assert "array_parallelism: 32" in proc.stdout
+
+
+def run_entry(*args, env=None, cwd=None):
+    """The ``kvbench`` console script as installed (``kvbench.__main__:entry`` with argv[0] the
+    script's path), without installing it."""
+    code = "import sys; sys.argv[0] = '/usr/local/bin/kvbench'; from kvbench.__main__ import entry; entry()"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_console_script_is_declared():
+    import tomllib
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as handle:
+        scripts = tomllib.load(handle)["project"]["scripts"]
+    assert scripts["kvbench"] == "kvbench.__main__:entry"
+
+
+def test_help_names_kvbench_and_hides_internal_groups():
+    proc = run_cli("--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("kvbench: ") and "powered by Hydra" not in proc.stdout
+    groups = {line.partition(":")[0] for line in proc.stdout.split("== Config ==")[0].splitlines()}
+    assert {"method", "model", "task", "experiment", "logger"} <= groups
+    assert not [g for g in groups if g.startswith("experiment/arms")]
+    assert f"method: {nodes('method')}" in proc.stdout
+
+
+def test_info_lists_each_launcher_once():
+    proc = run_cli("--info", "plugins")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    launchers = proc.stdout.split("Launcher:")[1].split("Sweeper:")[0].split()[1:]
+    assert "KvbenchSlurmLauncher" in launchers and "KvbenchLocalLauncher" in launchers
+    assert len(launchers) == len(set(launchers)), launchers
+
+
+def test_tab_completion_works_for_the_console_script():
+    install = run_entry("-sc", "install=bash")
+    assert install.returncode == 0, install.stderr[-2000:]
+    assert install.stdout.rstrip().endswith("-F hydra_bash_completion kvbench")
+    # what the installed completion asks the command while the user types `kvbench +method=ki<TAB>`
+    query = run_entry("-sc", "query=bash", env={"COMP_LINE": "kvbench +method=ki", "COMP_POINT": "18"})
+    assert query.returncode == 0, query.stderr[-2000:]
+    assert query.stdout.split() == ["+method=kivi"]
+    query = run_entry("-sc", "query=bash", env={"COMP_LINE": "kvbench mod", "COMP_POINT": "11"})
+    assert "model=" in query.stdout.split()

@@ -83,3 +83,23 @@ def test_installed_cli_composes_the_config_outside_the_checkout(installed, tmp_p
     assert "name: smollm2-135m" in out and "name: niah" in out  # the config.yaml defaults
     assert "name: kivi" in out and "bits: 2" in out  # a group node found through the package
     assert list(tmp_path.iterdir()) == []  # --cfg makes no run folder
+
+
+@pytest.mark.install
+def test_installed_console_script_composes_and_completes(installed, tmp_path):
+    """``kvbench`` ([project.scripts]) is on the venv's PATH; its node from ./conf composes, and
+    Hydra's tab completion answers it."""
+    python, env = installed
+    script = python.parent / "kvbench"
+    assert script.is_file()
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mine.yaml").write_text("# @package model\nname: mine\npath: /m/mine\n")
+    args = [script, "model=mine", "+method=kivi", "bits=2", "--cfg", "job"]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "name: mine" in proc.stdout and "name: kivi" in proc.stdout
+    query = {**env, "COMP_LINE": "kvbench model=min", "COMP_POINT": "17"}
+    proc = subprocess.run(
+        [script, "-sc", "query=bash"], capture_output=True, text=True, env=query, cwd=tmp_path, timeout=300
+    )
+    assert proc.returncode == 0 and proc.stdout.split() == ["model=mine"], proc.stderr[-3000:]

@@ -20,6 +20,7 @@ from kvbench.launchers import (
     _point_labels,
     _SweepLauncher,
     _user_error_in,
+    job_name,
     register,
 )
 from kvbench.models import ModelConfig, model_node
@@ -50,7 +51,7 @@ def test_slurm_profiles_follow_the_model_node(model, launcher, expected):
     resources = model_node(model)["resources"]
     if launcher == "slurm":
         assert expected == (resources["gpus"], resources["cpus"], resources["mem_gb"])
-    assert node._target_ == "hydra_plugins.kvbench_launcher.SlurmLauncher"
+    assert node._target_ == "hydra_plugins.kvbench_launcher.KvbenchSlurmLauncher"
 
 
 def test_profiles_fall_back_where_the_model_names_no_resources():
@@ -62,7 +63,7 @@ def test_profiles_fall_back_where_the_model_names_no_resources():
 
 def test_submitit_local_is_kvbench_launcher_and_overrides_still_apply():
     node = launcher_node("hydra/launcher=submitit_local", "hydra.launcher.timeout_min=7")
-    assert node._target_ == "hydra_plugins.kvbench_launcher.LocalLauncher"
+    assert node._target_ == "hydra_plugins.kvbench_launcher.KvbenchLocalLauncher"
     assert node.timeout_min == 7
     node = launcher_node("hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.mem_gb=128")
     assert (node.partition, node.mem_gb) == ("gpu", 128)
@@ -165,3 +166,51 @@ def test_a_user_error_without_its_exception_is_read_from_the_log(tmp_path):
     log.write_text("Loading weights\nkvbench: error: seed=-1: a non-negative integer\n")
     assert _user_error_in(log) == "seed=-1: a non-negative integer"
     assert _user_error_in(tmp_path / "missing.err").startswith("exited with status 2")
+
+
+def test_slurm_jobs_are_named_after_task_and_method():
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({"task": {"name": "niah"}, "hydra": {"job": {"name": "kvbench"}}})
+    sweep = [["+method=kivi", "bits=2"], ["+method=kivi", "bits=4"], ["+method=uniform", "bits=2"]]
+    assert job_name(config, sweep) == "kvbench-niah-kivi+uniform"
+    assert job_name(config, [["task=perplexity", "bits=2"]]) == "kvbench-perplexity-fp16"  # no method
+    arms = [["+experiment/arms/specache_niah@method=kivi_1b"], ["+experiment/arms/specache_niah@method=fp16"]]
+    assert job_name(config, arms) == "kvbench-niah-kivi_1b+fp16"
+    many = [[f"+method=m{i:03d}"] for i in range(100)]
+    assert len(job_name(config, many)) == 96 and job_name(config, many).endswith("...")
+
+
+def test_the_launcher_passes_the_name_to_the_scheduler(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    captured = {}
+
+    class Executor:
+        def __init__(self, **init):
+            pass
+
+        def update_parameters(self, **params):
+            captured.update(params)
+
+        def map_array(self, *args):
+            raise RuntimeError("stop after the submission parameters")
+
+    import submitit
+
+    monkeypatch.setattr(submitit, "AutoExecutor", lambda **kw: Executor(**kw))
+    launcher = SlurmSweepLauncher(submitit_folder=str(tmp_path), name="kvbench", timeout_min=5)
+    launcher.config = OmegaConf.create(
+        {"task": {"name": "niah"}, "hydra": {"job": {"name": "kvbench"}, "sweep": {"dir": str(tmp_path)}}}
+    )
+    with pytest.raises(RuntimeError, match="stop after"):
+        launcher.launch([["+method=kivi", "bits=2"], ["+method=kivi", "bits=4"]], 0)
+    assert captured["name"] == "kvbench-niah-kivi"
+    # a name the user gave stays
+    launcher = SlurmSweepLauncher(submitit_folder=str(tmp_path), name="mine", timeout_min=5)
+    launcher.config = OmegaConf.create(
+        {"task": {"name": "niah"}, "hydra": {"job": {"name": "kvbench"}, "sweep": {"dir": str(tmp_path)}}}
+    )
+    with pytest.raises(RuntimeError, match="stop after"):
+        launcher.launch([["+method=kivi", "bits=2"]], 0)
+    assert captured["name"] == "mine"

@@ -257,3 +257,46 @@ def test_finish_waits_for_wandb_to_write_the_run(wandb_env, monkeypatch):
     assert calls == ["finish", "teardown"] and not logger.active
     logger.finish()  # a second finish is a no-op
     assert calls == ["finish", "teardown"]
+
+
+def test_runs_and_their_report_share_the_experiments_group(wandb_env, monkeypatch):
+    """A run's wandb id is its run id (logged twice: one wandb run) and its group its experiment;
+    the report joins that group as job type ``report`` and names the runs it read."""
+    import wandb
+    from synthetic_runs import write_runs
+
+    from kvbench.report import build_report
+
+    calls = []
+
+    class Run:
+        summary: dict = {}
+
+        def log(self, payload):
+            pass
+
+        def finish(self):
+            pass
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        return Run()
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.setattr(wandb, "teardown", lambda: None)
+    config = {**CONFIG, "analysis": {"name": "synthetic_cliff"}}
+    kvlog.log_run(config, {**METRICS, "run_id": "abc123"})
+    kvlog.log_run(config, {**METRICS, "run_id": "abc123"})
+    assert [(c["id"], c["resume"], c["group"], c["job_type"]) for c in calls] == [
+        ("abc123", "allow", "synthetic_cliff", "run")
+    ] * 2
+    kvlog.log_run(CONFIG, {**METRICS, "run_id": "def456"})
+    assert calls[-1]["group"] == "adhoc-niah"  # outside an experiment: the archive's name
+    root, _ = wandb_env
+    runs = write_runs(root / "runs")
+    result = build_report(runs, root / "out", n_resamples=200, say=lambda _: None)
+    kvlog.log_report(result)
+    report = calls[-1]
+    assert (report["job_type"], report["group"]) == ("report", "synthetic_cliff")
+    assert report["config"]["runs"] == sorted(result["frame"]["run_id"].unique())
+    assert "id" not in report

@@ -1,12 +1,15 @@
 """kvbench's submitit launchers, where Hydra looks for launcher classes (the logic is in
-kvbench/launchers.py; ``kvbench.launchers.register`` points ``hydra/launcher=submitit_*`` here)."""
+kvbench/launchers.py; ``kvbench.launchers.register`` points ``hydra/launcher=submitit_*`` here).
+The base classes are reached through their module, not imported by name, and these classes are
+named apart from the submitit plugin's own: Hydra's plugin list (``--info plugins``) shows each
+launcher once."""
 
-from kvbench.launchers import LocalSweepLauncher, SlurmSweepLauncher
+from kvbench import launchers as _launchers
 
 
-class LocalLauncher(LocalSweepLauncher):
+class KvbenchLocalLauncher(_launchers.LocalSweepLauncher):
     """``hydra/launcher=submitit_local``: each point a local process."""
 
 
-class SlurmLauncher(SlurmSweepLauncher):
+class KvbenchSlurmLauncher(_launchers.SlurmSweepLauncher):
     """``hydra/launcher=submitit_slurm``, ``slurm``, ``slurm_cpu``: each point a task of a Slurm job array."""

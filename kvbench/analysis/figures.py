@@ -43,7 +43,7 @@ def cliff_map(
     with ``1 - alpha`` bootstrap intervals; the reference's mean and interval as a horizontal band;
     each family's cliff bracket (``locate_cliff`` on the paired verdicts) shaded between the first bad and the
     last ok bit width; the runaway rate against the reference's generations on a second y axis
-    (dashed).
+    (dashed). One legend names every series of both axes and each family's cliff interval.
 
     ``means`` is ``config_means`` output, ``paired`` is ``paired_table`` output for the same frame.
     """
@@ -67,17 +67,21 @@ def cliff_map(
             label=family,
         )
         if group["runaway_rate"].notna().any():
-            twin.plot(group[x], group["runaway_rate"], ls="--", marker="x", color=color, alpha=0.7)
+            twin.plot(
+                group[x],
+                group["runaway_rate"],
+                ls="--",
+                marker="x",
+                color=color,
+                alpha=0.7,
+                label=f"{family}: runaway rate (right axis)",
+            )
         if family in cliffs.index and cliffs.loc[family, "interval"] is not None:
             lo, hi = cliffs.loc[family, "first_bad"], cliffs.loc[family, "last_ok"]
-            ax.axvspan(lo, hi, color=color, alpha=0.12)
-            ax.annotate(
-                f"cliff {cliffs.loc[family, 'interval']}",
-                xy=((lo + hi) / 2, 0.02),
-                xycoords=("data", "axes fraction"),
-                ha="center",
-                fontsize=8,
-                color=color,
+            # Named in the legend: a label on the plot would cross the reference line at the top or
+            # the runaway rate and a collapsed grid's scores at the bottom.
+            ax.axvspan(
+                lo, hi, color=color, alpha=0.12, label=f"{family}: cliff {cliffs.loc[family, 'interval']}"
             )
     ref = means[means["method"] == reference]
     if not ref.empty:
@@ -89,7 +93,10 @@ def cliff_map(
     ax.set_ylabel(f"{metric} (mean, bootstrap CI)")
     twin.set_ylabel("runaway rate vs reference (dashed)")
     twin.set_ylim(-0.02, 1.02)
-    ax.legend(loc="center left", fontsize=8)
+    # One legend for both axes; upper left is where a cliff map is empty (low bits score low).
+    handles, labels = ax.get_legend_handles_labels()
+    twin_handles, twin_labels = twin.get_legend_handles_labels()
+    ax.legend(handles + twin_handles, labels + twin_labels, loc="upper left", fontsize=8)
     ax.set_title(title or f"Quality against bits: {metric}")
     fig.tight_layout()
     return fig
@@ -102,8 +109,17 @@ def memory_quality(
     per-sample accounting), one point per configuration, labelled; the reference as a line."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     pts = means.dropna(subset=["effective_bits"])
+    stacked: dict[tuple[float, float], int] = {}
     for family, group in pts.groupby("family", sort=True):
         group = group.sort_values("effective_bits")
+        # A family of one configuration is named as its point is (``kivi-1b-specache0``, not the
+        # family ``kivi-specache0``); a family of several names the grid values it spans.
+        if len(group) == 1:
+            name = str(group["method"].iloc[0])
+        elif group["bits"].notna().all():
+            name = f"{family} ({', '.join(f'{b:g}' for b in sorted(group['bits'].unique()))} bits)"
+        else:
+            name = str(family)
         _errorbar(
             ax,
             group["effective_bits"],
@@ -112,14 +128,17 @@ def memory_quality(
             group["ci_high"],
             marker="o",
             ls="-" if len(group) > 1 else "none",
-            label=family,
+            label=name,
         )
         for row in group.itertuples():
+            # Points that coincide (two arms at one memory and score) get their labels stacked.
+            spot = (round(float(row.effective_bits), 1), round(float(row.mean), 2))
+            stacked[spot] = stacked.get(spot, -1) + 1
             ax.annotate(
                 row.method,
                 (row.effective_bits, row.mean),
                 fontsize=7,
-                xytext=(3, 3),
+                xytext=(3, 3 - 9 * stacked[spot]),
                 textcoords="offset points",
             )
     ref = means[means["method"] == reference]

@@ -32,7 +32,10 @@ class Unit:
 
     @property
     def title(self) -> str:
-        return " / ".join(str(k) for k in self.key if k)
+        """``experiment: task / model`` (``task / model`` for runs outside an experiment node): what
+        the unit's figures are titled."""
+        task, model, experiment = self.key
+        return f"{experiment}: {task} / {model}" if experiment else f"{task} / {model}"
 
 
 def pick_unit(
