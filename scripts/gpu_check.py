@@ -524,13 +524,19 @@ def random_prompt(loaded, n: int, steps: int, device: torch.device, count_ops):
 
 
 def method_node(name: str, count_ops) -> dict:
-    """``count_ops``' node, with ``backend=triton`` where the method implements it."""
-    from kvbench.methods import METHODS
+    """``count_ops``' node, with ``backend=triton`` where the method's config accepts it (some that
+    list it refuse it in their own checks: the eviction methods, SpeCache); else its default."""
+    from kvbench.errors import ConfigError
+    from kvbench.methods import METHODS, build_method
 
     node = count_ops.method_node(name)
-    if "triton" in METHODS.get(name).Config.backends:
-        node["backend"] = "triton"
-    return node
+    if "triton" not in METHODS.get(name).Config.backends:
+        return node
+    try:
+        build_method({**node, "backend": "triton"})
+    except ConfigError:
+        return node
+    return {**node, "backend": "triton"}
 
 
 def decode(sizes: Sizes, device: torch.device, section: Section, deadline: float, budget_s: float) -> None:
