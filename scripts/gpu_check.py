@@ -5,7 +5,8 @@ measured is a row with its status (``error: ...``, ``skipped: ...``), never a mi
 
 1. **parity** (``gpu_parity.csv``): every Triton kernel against its torch reference, per stored
    format. ``quantize_pack``/``unpack_dequantize`` must equal ``quantize_grouped`` + ``pack`` and
-   ``dequantize_grouped`` bit for bit (level count x axis x head_dim); ``fused_decode_attention``
+   ``dequantize_grouped`` bit for bit (level count x axis x head_dim, and SpeCache's 1-bit zero
+   point); ``fused_decode_attention``
    must match ``decode_attention_reference`` within 1e-4 of the output's scale (KIVI layout: keys
    per channel, values per token, fp16 residual).
 2. **bandwidth** (``gpu_bandwidth.csv``): bytes each decode kernel must move once (packed codes,
@@ -200,7 +201,18 @@ class Section:
 # 1. Parity
 # ---------------------------------------------------------------------------------------------
 
-PARITY_COLUMNS = ["kernel", "levels", "axis", "head_dim", "tokens", "device", "max_abs_err", "tol", "status"]
+PARITY_COLUMNS = [
+    "kernel",
+    "levels",
+    "axis",
+    "zero_point",
+    "head_dim",
+    "tokens",
+    "device",
+    "max_abs_err",
+    "tol",
+    "status",
+]
 
 
 def parity(sizes: Sizes, device: torch.device, section: Section) -> None:
@@ -213,13 +225,14 @@ def parity(sizes: Sizes, device: torch.device, section: Section) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     t = sizes.parity_tokens
 
-    def record(kernel, levels, axis, d, tokens, err, tol, ok, note=""):
+    def record(kernel, levels, axis, zp, d, tokens, err, tol, ok, note=""):
         status = "ok" if ok else (note or f"FAIL: max abs err {err:.3g} > {tol:.3g}")
         section.add(
             dict(
                 kernel=kernel,
                 levels=levels,
                 axis=axis,
+                zero_point=zp,
                 head_dim=d,
                 tokens=tokens,
                 device=device.type,
@@ -227,17 +240,18 @@ def parity(sizes: Sizes, device: torch.device, section: Section) -> None:
                 tol=tol,
                 status=status,
             ),
-            f"{kernel:24s} L={levels:<3d} {axis:7s} D={d:<3d} "
+            f"{kernel:24s} L={levels:<3d} {axis:7s} {zp:8s} D={d:<3d} "
             f"err={err if err is None else f'{err:.3g}'} {status}",
         )
 
     for d in sizes.head_dims:
         for axis in ("token", "channel"):
-            for levels in sizes.quant_levels:
+            # SpeCache's 1-bit store has its own zero point
+            for levels, zp in [*((n, "minmax") for n in sizes.quant_levels), (2, "specache")]:
                 try:
                     x = torch.randn(2, 2, t, d, generator=gen, device=device).half()
-                    packed, scale, zero = quantize_pack(x, levels, axis, GROUP)
-                    codes, rs, rz = quantize_grouped(x, levels, axis, GROUP)
+                    packed, scale, zero = quantize_pack(x, levels, axis, GROUP, zp)
+                    codes, rs, rz = quantize_grouped(x, levels, axis, GROUP, zp)
                     ref_packed = pack(codes, levels)
                     same = (
                         torch.equal(packed, ref_packed) and torch.equal(scale, rs) and torch.equal(zero, rz)
@@ -246,12 +260,15 @@ def parity(sizes: Sizes, device: torch.device, section: Section) -> None:
                     ref = dequantize_grouped(unpack(ref_packed, levels, d), rs, rz, axis, GROUP)
                     err = (out - ref).abs().max().item()
                     note = "" if same else "FAIL: packed bytes/scale/zero differ from the reference"
-                    record("quantize_pack+unpack", levels, axis, d, t, err, 0.0, same and err == 0.0, note)
+                    record(
+                        "quantize_pack+unpack", levels, axis, zp, d, t, err, 0.0, same and err == 0.0, note
+                    )
                 except Exception as exc:  # noqa: BLE001 - every failure is a row
                     record(
                         "quantize_pack+unpack",
                         levels,
                         axis,
+                        zp,
                         d,
                         t,
                         None,
@@ -280,12 +297,13 @@ def parity(sizes: Sizes, device: torch.device, section: Section) -> None:
                 err = (out - ref).abs().max().item()
                 tol = ATTN_REL_TOL * ref.abs().max().item()
                 ok = bool(torch.isfinite(out).all()) and err <= tol
-                record("fused_decode_attention", levels, "kivi", d, n0, err, f"{tol:.3g}", ok)
+                record("fused_decode_attention", levels, "kivi", "minmax", d, n0, err, f"{tol:.3g}", ok)
             except Exception as exc:  # noqa: BLE001
                 record(
                     "fused_decode_attention",
                     levels,
                     "kivi",
+                    "minmax",
                     d,
                     t + 40,
                     None,

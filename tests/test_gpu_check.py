@@ -22,7 +22,18 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 pytestmark = pytest.mark.slow
 
-PARITY = ["kernel", "levels", "axis", "head_dim", "tokens", "device", "max_abs_err", "tol", "status"]
+PARITY = [
+    "kernel",
+    "levels",
+    "axis",
+    "zero_point",
+    "head_dim",
+    "tokens",
+    "device",
+    "max_abs_err",
+    "tol",
+    "status",
+]
 BANDWIDTH = [
     "kernel",
     "levels",
@@ -91,7 +102,7 @@ def test_dry_run_passes_and_summarises(dry_run):
     assert "gpu_check.sh summary (dry)" in proc.stdout
     assert "gpu_check.py: ok" in proc.stdout
     # one printed line per result
-    assert proc.stdout.count("[parity] ") == 5
+    assert proc.stdout.count("[parity] ") == 7
     assert proc.stdout.count("[bandwidth] ") == 2
     assert proc.stdout.count("[decode] ") == 4
 
@@ -100,9 +111,13 @@ def test_parity_csv_has_one_row_per_format(dry_run):
     out, _ = dry_run
     columns, rows = read(out / "gpu_parity.csv")
     assert columns == PARITY
-    formats = {(r["kernel"], int(r["levels"]), r["axis"], int(r["head_dim"])) for r in rows}
-    expected = {("quantize_pack+unpack", L, axis, 64) for L in (3, 4) for axis in ("token", "channel")}
-    expected.add(("fused_decode_attention", 4, "kivi", 64))
+    formats = {(r["kernel"], int(r["levels"]), r["axis"], r["zero_point"], int(r["head_dim"])) for r in rows}
+    expected = {
+        ("quantize_pack+unpack", L, axis, zp, 64)
+        for L, zp in ((3, "minmax"), (4, "minmax"), (2, "specache"))
+        for axis in ("token", "channel")
+    }
+    expected.add(("fused_decode_attention", 4, "kivi", "minmax", 64))
     assert formats == expected and len(rows) == len(expected)
     for r in rows:
         assert r["status"] == "ok" and r["device"] == "cpu", r
