@@ -1,0 +1,761 @@
+"""The prepared device check: kernel parity, kernel bandwidth and decode-step time on one GPU.
+
+Three sections, each printing one line per result, then a summary; a result that could not be
+measured is a row with its status (``error: ...``, ``skipped: ...``), never a missing row:
+
+1. **parity** (``gpu_parity.csv``): every Triton kernel against its torch reference, per stored
+   format. ``quantize_pack``/``unpack_dequantize`` must equal ``quantize_grouped`` + ``pack`` and
+   ``dequantize_grouped`` bit for bit (level count x axis x head_dim, and SpeCache's 1-bit zero
+   point); ``fused_decode_attention``
+   must match ``decode_attention_reference`` within 1e-4 of the output's scale (KIVI layout: keys
+   per channel, values per token, fp16 residual).
+2. **bandwidth** (``gpu_bandwidth.csv``): bytes each decode kernel must move once (packed codes,
+   scales, zeros, residual, query, output) over its median time, as a share of a device-to-device
+   copy moving the same bytes (half read, half written), both timed with ``torch.cuda.Event``
+   (``scripts/bench_kernels.py``'s timer: L2 evicted before each repetition, CUDA graphs).
+3. **decode** (``gpu_decode.csv``): the time of one decode step of every registered method (2 bits
+   where it takes that width, as ``scripts/count_ops.py`` configures them; ``backend=triton`` where
+   the method implements it, its torch reference otherwise) against transformers' ``DynamicCache``
+   with SDPA, on a randomly initialised Llama-3.1-8B shape (bf16, :data:`LAYERS` layers, the real
+   vocabulary), the cache filled with the context's random post-RoPE keys and values as
+   ``scripts/count_ops.py`` fills it. Each row says which backend the method asked for, which its
+   stores resolved to, and which read the stored tokens
+   (:func:`kvbench.kernels.cpu.backend_in_use`).
+
+Decode rows reached after ``--budget-s`` seconds of the check are written as skipped, and every
+CSV is rewritten after each row, so a run stopped by the shell's timeout keeps what it measured. The
+exit status is 0 only when every row is ``ok``.
+
+``--dry`` runs the same code on the CPU under ``TRITON_INTERPRET=1`` at tiny sizes (a few hundred
+tokens, a 1-layer tiny Llama, a few methods), so the tests can run it in seconds; its numbers are
+meaningless, its rows and columns are the real ones.
+
+    bash scripts/gpu_check.sh                 # on the lent GPU; writes benchmarks/gpu_*.csv
+    bash scripts/gpu_check.sh --dry --out-dir /tmp/gc
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# The interpreter is chosen when a kernel is decorated: decide before anything imports triton.
+DRY = "--dry" in sys.argv[1:] or os.environ.get("KVBENCH_GPU_CHECK_DRY", "") not in ("", "0")
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import gc  # noqa: E402
+import importlib.util  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent
+
+LAYERS = 4
+REFERENCE = "DynamicCache"
+
+# Llama-3.1-8B: attention and MLP widths, vocabulary and RoPE base; the layer count is cut.
+LLAMA_8B = dict(
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    num_hidden_layers=LAYERS,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+)
+TINY = dict(
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+    num_hidden_layers=1,
+    vocab_size=128,
+    rope_theta=10000.0,
+    max_position_embeddings=4096,
+)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one mode runs: formats checked, kernel shapes timed, decode contexts and methods."""
+
+    quant_levels: tuple[int, ...]
+    attn_levels: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    parity_tokens: int  # T of the parity inputs (a multiple of every group size)
+    bw_contexts: tuple[int, ...]
+    bw_batches: tuple[int, ...]
+    bw_heads: tuple[int, int]  # query heads, kv heads
+    bw_head_dim: int
+    decode_contexts: tuple[int, ...]
+    methods: tuple[str, ...] | None  # None: every registered method
+    geometry: dict
+    dtype: torch.dtype
+    warmup_steps: int
+    timed_steps: int
+    reps: int
+    warmup: int
+
+
+FULL = Sizes(
+    quant_levels=(2, 3, 4, 5, 8, 16, 64, 256),
+    attn_levels=(2, 3, 4, 8, 16),
+    head_dims=(64, 128),
+    parity_tokens=512,
+    bw_contexts=(8192, 32768),
+    bw_batches=(1, 8),
+    bw_heads=(32, 8),
+    bw_head_dim=128,
+    decode_contexts=(8192, 32768),
+    methods=None,
+    geometry=LLAMA_8B,
+    dtype=torch.bfloat16,
+    warmup_steps=2,
+    timed_steps=5,
+    reps=20,
+    warmup=5,
+)
+DRY_SIZES = Sizes(
+    quant_levels=(3, 4),
+    attn_levels=(4,),
+    head_dims=(64,),
+    parity_tokens=64,
+    bw_contexts=(256,),
+    bw_batches=(1,),
+    bw_heads=(4, 2),
+    bw_head_dim=64,
+    decode_contexts=(256,),
+    methods=("fp16", "kivi", "kvquant"),
+    geometry=TINY,
+    dtype=torch.float32,
+    warmup_steps=1,
+    timed_steps=2,
+    reps=2,
+    warmup=1,
+)
+GROUP = 32
+RESIDUAL = 128
+ATTN_REL_TOL = 1e-4
+
+
+def load_script(name: str):
+    """Another script of this folder as a module (registered first: dataclasses look it up)."""
+    spec = importlib.util.spec_from_file_location(f"gpu_check_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+@dataclass
+class Section:
+    """Rows of one CSV and the tally the summary prints."""
+
+    name: str
+    columns: list[str]
+    rows: list[dict] = field(default_factory=list)
+    path: Path | None = None
+
+    def add(self, row: dict, line: str) -> None:
+        missing = [c for c in self.columns if c not in row]
+        assert not missing, f"{self.name} row lacks {missing}"
+        self.rows.append(row)
+        print(f"[{self.name}] {line}", flush=True)
+        if self.path is not None:  # rewritten per row: a run killed by a timeout keeps what it measured
+            self.write()
+
+    def failures(self) -> list[dict]:
+        return [r for r in self.rows if not r["status"].startswith(("ok", "skipped"))]
+
+    def skipped(self) -> list[dict]:
+        return [r for r in self.rows if r["status"].startswith("skipped")]
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.columns)
+            w.writeheader()
+            w.writerows(self.rows)
+        tmp.replace(self.path)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Parity
+# ---------------------------------------------------------------------------------------------
+
+PARITY_COLUMNS = [
+    "kernel",
+    "levels",
+    "axis",
+    "zero_point",
+    "head_dim",
+    "tokens",
+    "device",
+    "max_abs_err",
+    "tol",
+    "status",
+]
+
+
+def parity(sizes: Sizes, device: torch.device, section: Section) -> None:
+    from kvbench.kernels.decode_attention import PackedKV, fused_decode_attention
+    from kvbench.kernels.quant_pack import quantize_pack, unpack_dequantize
+    from kvbench.quant.affine import dequantize_grouped, quantize_grouped
+    from kvbench.quant.attention_ref import decode_attention_reference
+    from kvbench.quant.packing import pack, unpack
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    t = sizes.parity_tokens
+
+    def record(kernel, levels, axis, zp, d, tokens, err, tol, ok, note=""):
+        status = "ok" if ok else (note or f"FAIL: max abs err {err:.3g} > {tol:.3g}")
+        section.add(
+            dict(
+                kernel=kernel,
+                levels=levels,
+                axis=axis,
+                zero_point=zp,
+                head_dim=d,
+                tokens=tokens,
+                device=device.type,
+                max_abs_err="" if err is None else f"{err:.3g}",
+                tol=tol,
+                status=status,
+            ),
+            f"{kernel:24s} L={levels:<3d} {axis:7s} {zp:8s} D={d:<3d} "
+            f"err={err if err is None else f'{err:.3g}'} {status}",
+        )
+
+    for d in sizes.head_dims:
+        for axis in ("token", "channel"):
+            # SpeCache's 1-bit store has its own zero point
+            for levels, zp in [*((n, "minmax") for n in sizes.quant_levels), (2, "specache")]:
+                try:
+                    x = torch.randn(2, 2, t, d, generator=gen, device=device).half()
+                    packed, scale, zero = quantize_pack(x, levels, axis, GROUP, zp)
+                    codes, rs, rz = quantize_grouped(x, levels, axis, GROUP, zp)
+                    ref_packed = pack(codes, levels)
+                    same = (
+                        torch.equal(packed, ref_packed) and torch.equal(scale, rs) and torch.equal(zero, rz)
+                    )
+                    out = unpack_dequantize(packed, scale, zero, levels, axis, GROUP, d)
+                    ref = dequantize_grouped(unpack(ref_packed, levels, d), rs, rz, axis, GROUP)
+                    err = (out - ref).abs().max().item()
+                    note = "" if same else "FAIL: packed bytes/scale/zero differ from the reference"
+                    record(
+                        "quantize_pack+unpack", levels, axis, zp, d, t, err, 0.0, same and err == 0.0, note
+                    )
+                except Exception as exc:  # noqa: BLE001 - every failure is a row
+                    record(
+                        "quantize_pack+unpack",
+                        levels,
+                        axis,
+                        zp,
+                        d,
+                        t,
+                        None,
+                        0.0,
+                        False,
+                        f"error: {one_line(exc)}",
+                    )
+
+        for levels in sizes.attn_levels:
+            try:
+                b, h_kv, gqa, n0 = 2, 2, 4, t + 40
+                tq = t  # quantized tokens (multiple of the group); the rest is the fp16 residual
+                q = torch.randn(b, h_kv * gqa, 1, d, generator=gen, device=device)
+                spread = 0.5 + torch.randn(d, generator=gen, device=device).abs()
+                keys = torch.randn(b, h_kv, n0, d, generator=gen, device=device) * spread
+                values = torch.randn(b, h_kv, n0, d, generator=gen, device=device) + 0.3
+                kq = PackedKV(
+                    *quantize_pack(keys[:, :, :tq], levels, "channel", GROUP), levels, GROUP, "channel"
+                )
+                vq = PackedKV(
+                    *quantize_pack(values[:, :, :tq], levels, "token", GROUP), levels, GROUP, "token"
+                )
+                k_res, v_res = keys[:, :, tq:].half(), values[:, :, tq:].half()
+                out = fused_decode_attention(q, kq, vq, d**-0.5, k_res, v_res)
+                ref = decode_attention_reference(q, [kq, k_res], [vq, v_res], d**-0.5)
+                err = (out - ref).abs().max().item()
+                tol = ATTN_REL_TOL * ref.abs().max().item()
+                ok = bool(torch.isfinite(out).all()) and err <= tol
+                record("fused_decode_attention", levels, "kivi", "minmax", d, n0, err, f"{tol:.3g}", ok)
+            except Exception as exc:  # noqa: BLE001
+                record(
+                    "fused_decode_attention",
+                    levels,
+                    "kivi",
+                    "minmax",
+                    d,
+                    t + 40,
+                    None,
+                    "",
+                    False,
+                    f"error: {one_line(exc)}",
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Bandwidth
+# ---------------------------------------------------------------------------------------------
+
+BANDWIDTH_COLUMNS = [
+    "kernel",
+    "levels",
+    "context",
+    "batch",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "device",
+    "bytes",
+    "us",
+    "GBps",
+    "copy_us",
+    "copy_GBps",
+    "copy_share",
+    "timing",
+    "status",
+]
+
+
+def kivi_cache(sizes: Sizes, levels: int, context: int, batch: int, device: torch.device, gen):
+    """``(q, kq, vq, k_res, v_res)``: a KIVI cache of ``context`` tokens, the newest ``context - T``
+    (T = ``context - RESIDUAL`` rounded down to the group) kept fp16."""
+    from kvbench.kernels.decode_attention import PackedKV
+    from kvbench.kernels.quant_pack import quantize_pack
+
+    h, h_kv = sizes.bw_heads
+    d = sizes.bw_head_dim
+    tq = max(context - RESIDUAL, 0) // GROUP * GROUP
+    q = torch.randn(batch, h, 1, d, generator=gen, device=device).half()
+    keys = torch.randn(batch, h_kv, context, d, generator=gen, device=device).half()
+    values = torch.randn(batch, h_kv, context, d, generator=gen, device=device).half()
+    kq = PackedKV(*quantize_pack(keys[:, :, :tq], levels, "channel", GROUP), levels, GROUP, "channel")
+    vq = PackedKV(*quantize_pack(values[:, :, :tq], levels, "token", GROUP), levels, GROUP, "token")
+    k_res, v_res = keys[:, :, tq:].contiguous(), values[:, :, tq:].contiguous()
+    del keys, values
+    return q, kq, vq, k_res, v_res
+
+
+def kernel_cases(bench, cache, levels: int, d: int) -> dict:
+    """``{kernel: (call, bytes it must move once)}`` for one KIVI cache."""
+    from kvbench.kernels.decode_attention import fused_decode_attention
+    from kvbench.kernels.quant_pack import unpack_dequantize
+
+    q, kq, vq, k_res, v_res = cache
+    # shapes only: what the kernels write, for the byte count
+    out = torch.empty(q.shape, dtype=q.dtype, device="meta")
+    dq = torch.empty(*kq.codes.shape[:-1], d, dtype=torch.float32, device="meta")
+    return {
+        # read: the cache once and q; write: the output
+        "fused_decode_attention": (
+            lambda: fused_decode_attention(q, kq, vq, d**-0.5, k_res, v_res),
+            bench.packed_bytes(kq) + bench.packed_bytes(vq) + bench.tensor_bytes(k_res, v_res, q, out),
+        ),
+        # the keys' codes and params read, their float32 reconstruction written
+        "unpack_dequantize": (
+            lambda: unpack_dequantize(kq.codes, kq.scale, kq.zero, levels, "channel", GROUP, d),
+            bench.packed_bytes(kq) + bench.tensor_bytes(dq),
+        ),
+    }
+
+
+def bandwidth(sizes: Sizes, device: torch.device, section: Section) -> None:
+    bench = load_script("bench_kernels")
+    timer = bench.Timer(device, sizes.warmup, sizes.reps, cuda_graph=True, flush_l2=True)
+    gen = torch.Generator(device=device).manual_seed(1)
+    h, h_kv = sizes.bw_heads
+    d = sizes.bw_head_dim
+    clock = "cuda-events" if device.type == "cuda" else "perf_counter"
+    for context in sizes.bw_contexts:
+        for batch in sizes.bw_batches:
+            for levels in sizes.attn_levels:
+                base = dict(
+                    levels=levels, context=context, batch=batch, heads=h, kv_heads=h_kv, head_dim=d,
+                    device=device.type,
+                )  # fmt: skip
+                try:
+                    cases = kernel_cases(
+                        bench, kivi_cache(sizes, levels, context, batch, device, gen), levels, d
+                    )
+                except Exception as exc:  # noqa: BLE001
+                    for kernel in ("fused_decode_attention", "unpack_dequantize"):
+                        _bandwidth_error(section, kernel, base, exc)
+                    continue
+                for kernel, (fn, nbytes) in cases.items():
+                    try:
+                        seconds, mode = timer(fn)
+                        half = max(nbytes // 2, 1)
+                        src = torch.ones(half, dtype=torch.uint8, device=device)
+                        dst = torch.empty_like(src)
+                        copy_s, _ = timer(lambda src=src, dst=dst: dst.copy_(src))
+                        del src, dst
+                        gbps, copy_gbps = nbytes / seconds / 1e9, 2 * half / copy_s / 1e9
+                        row = dict(
+                            kernel=kernel,
+                            **base,
+                            bytes=nbytes,
+                            us=f"{seconds * 1e6:.2f}",
+                            GBps=f"{gbps:.4g}",
+                            copy_us=f"{copy_s * 1e6:.2f}",
+                            copy_GBps=f"{copy_gbps:.4g}",
+                            copy_share=f"{gbps / copy_gbps:.4g}",
+                            timing=f"{clock}/{mode}",
+                            status="ok",
+                        )
+                        section.add(
+                            row,
+                            f"{kernel:24s} L={levels:<3d} N={context:<6d} B={batch:<3d} "
+                            f"{seconds * 1e6:10.1f} us {gbps:8.1f} GB/s = {gbps / copy_gbps:6.1%} of copy "
+                            f"({copy_gbps:.1f} GB/s)",
+                        )
+                    except Exception as exc:  # noqa: BLE001
+                        _bandwidth_error(section, kernel, base, exc)
+                del cases
+                _free(device)
+
+
+def _bandwidth_error(section: Section, kernel: str, base: dict, exc: BaseException) -> None:
+    blank = dict.fromkeys(("bytes", "us", "GBps", "copy_us", "copy_GBps", "copy_share", "timing"), "")
+    row = dict(kernel=kernel, **base, **blank, status=f"error: {one_line(exc)}")
+    section.add(row, f"{kernel:24s} L={base['levels']} N={base['context']} B={base['batch']} {row['status']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Decode step
+# ---------------------------------------------------------------------------------------------
+
+DECODE_COLUMNS = [
+    "method",
+    "label",
+    "context",
+    "layers",
+    "dtype",
+    "device",
+    "backend_requested",
+    "backend_resolved",
+    "backend_in_use",
+    "step_ms",
+    "step_ms_min",
+    "vs_sdpa",
+    "steps",
+    "status",
+]
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_times(step, device: torch.device, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step()`` after ``warmup``: CUDA events around each
+    call on a GPU (host work inside the step is part of the step), perf_counter on the CPU."""
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def build_model(sizes: Sizes, device: torch.device, count_ops):
+    """The random Llama of ``sizes.geometry`` built on ``device`` (seeded), on kvbench's attention."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvbench.builder import LoadedModel
+    from kvbench.cache import ATTN_IMPLEMENTATION
+    from kvbench.models.shape import shape_of_config
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**sizes.geometry, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=sizes.dtype).eval()
+    model = model.to(device)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.generation_config.eos_token_id = None
+    return LoadedModel(
+        config=None,
+        model=model,
+        tokenizer=count_ops.StubTokenizer(),
+        shape=shape_of_config(config),
+        load_s=0.0,
+    )
+
+
+def random_prompt(loaded, n: int, steps: int, device: torch.device, count_ops):
+    """:class:`count_ops.Prompt` drawn on ``device``."""
+    shape, dtype = loaded.shape, loaded.model.dtype
+    vocab = loaded.model.config.vocab_size
+    gen = torch.Generator(device=device).manual_seed(n)
+    kv = (1, shape.num_kv_heads, n, shape.head_dim)
+    q = (1, shape.num_heads, min(n, count_ops.PREFILL_QUERIES), shape.head_dim)
+    layers = range(shape.num_layers)
+
+    def draw(s):
+        return torch.randn(s, generator=gen, device=device).to(dtype)
+
+    return count_ops.Prompt(
+        keys=[draw(kv) for _ in layers],
+        values=[draw(kv) for _ in layers],
+        queries=[draw(q) for _ in layers],
+        ids=torch.randint(vocab, (1, n), generator=gen, device=device),
+        logits=torch.randn(1, n, vocab, generator=gen, device=device),
+        tokens=torch.randint(vocab, (steps,), generator=gen, device=device).tolist(),
+    )
+
+
+def method_node(name: str, count_ops) -> dict:
+    """``count_ops``' node, with ``backend=triton`` where the method's config accepts it (some that
+    list it refuse it in their own checks: the eviction methods, SpeCache); else its default."""
+    from kvbench.errors import ConfigError
+    from kvbench.methods import METHODS, build_method
+
+    node = count_ops.method_node(name)
+    if "triton" not in METHODS.get(name).Config.backends:
+        return node
+    try:
+        build_method({**node, "backend": "triton"})
+    except ConfigError:
+        return node
+    return {**node, "backend": "triton"}
+
+
+def decode(sizes: Sizes, device: torch.device, section: Section, deadline: float, budget_s: float) -> None:
+    """Rows reached after ``deadline`` (``time.monotonic()``) are written as skipped."""
+    from transformers import DynamicCache
+
+    from kvbench.cache import ATTN_IMPLEMENTATION
+    from kvbench.kernels import cpu as cpu_kernels
+    from kvbench.methods import METHODS, build_method
+
+    count_ops = load_script("count_ops")
+    names = list(sizes.methods or METHODS.names())
+    loaded = build_model(sizes, device, count_ops)
+    model = loaded.model
+    steps = sizes.warmup_steps + sizes.timed_steps
+    common = dict(
+        layers=loaded.shape.num_layers, dtype=str(sizes.dtype).removeprefix("torch."), device=device.type
+    )
+
+    def add(row: dict) -> None:
+        section.add(
+            row,
+            f"{row['label']:40s} N={row['context']:<6d} {row['step_ms'] or '-':>9s} ms "
+            f"x{row['vs_sdpa'] or '-':>6s} vs SDPA  backend {row['backend_requested']}->"
+            f"{row['backend_resolved']} read by {row['backend_in_use']}  {row['status']}",
+        )
+
+    for n in sizes.decode_contexts:
+        prompt = random_prompt(loaded, n, steps, device, count_ops)
+        tokens = [torch.tensor([[t]], device=device) for t in prompt.tokens]
+        sdpa_ms = None
+        for name in [REFERENCE, *names]:
+            row = dict(
+                method=name,
+                label=name,
+                context=n,
+                **common,
+                backend_requested="",
+                backend_resolved="",
+                backend_in_use="",
+                step_ms="",
+                step_ms_min="",
+                vs_sdpa="",
+                steps=sizes.timed_steps,
+                status="ok",
+            )
+            if time.monotonic() > deadline:
+                row["status"] = f"skipped: the check's budget of {budget_s:.0f} s (--budget-s) was spent"
+                add(row)
+                continue
+            cache = runner = None
+            try:
+                cpu_kernels.reset_for_tests()  # so backend_in_use names this method's reads only
+                if name == REFERENCE:
+                    row.update(backend_requested="sdpa", backend_resolved="sdpa", backend_in_use="sdpa")
+                    cache = DynamicCache(config=model.config)
+                    for i in range(loaded.shape.num_layers):
+                        cache.update(prompt.keys[i], prompt.values[i], i)
+                    model.set_attn_implementation("sdpa")
+                    it = iter(tokens)
+
+                    def step(it=it, cache=cache):
+                        with torch.no_grad():
+                            model(input_ids=next(it), cache=cache, use_cache=True).logits.float()
+
+                    try:
+                        times = step_times(step, device, sizes.warmup_steps, sizes.timed_steps)
+                    finally:
+                        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+                else:
+                    method = build_method(method_node(name, count_ops))
+                    row.update(
+                        label=method.label(),
+                        backend_requested=method.config.backend,
+                        backend_resolved=method.config.storage_backend(),
+                    )
+                    runner = loaded.runner(method)
+                    cache = runner.new_cache()
+                    count_ops.fill(runner, cache, prompt)
+                    it = iter(tokens)
+
+                    def step(it=it, cache=cache, runner=runner):
+                        with torch.no_grad():
+                            runner.decode_step(next(it), cache)
+
+                    times = step_times(step, device, sizes.warmup_steps, sizes.timed_steps)
+                    used = cpu_kernels.backend_in_use()
+                    if used == "none":  # a fused path that records no read (KIVI's Triton decode)
+                        resolved = row["backend_resolved"]
+                        used = resolved if resolved != "auto" else "torch"
+                    row["backend_in_use"] = used
+                ms = statistics.median(times) * 1e3
+                row.update(step_ms=f"{ms:.3f}", step_ms_min=f"{min(times) * 1e3:.3f}")
+                if name == REFERENCE:
+                    sdpa_ms = ms
+                elif sdpa_ms:
+                    row["vs_sdpa"] = f"{ms / sdpa_ms:.2f}"
+            except Exception as exc:  # noqa: BLE001 - every failure is a row
+                row["status"] = f"error: {one_line(exc)}"
+                if os.environ.get("KVBENCH_GPU_CHECK_TRACEBACK"):
+                    traceback.print_exc()
+            add(row)
+            del cache, runner
+            _free(device)
+        del prompt, tokens
+        _free(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--dry",
+        action="store_true",
+        help="CPU, TRITON_INTERPRET=1, tiny sizes (also KVBENCH_GPU_CHECK_DRY=1)",
+    )
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks")
+    p.add_argument("--sections", nargs="+", default=["parity", "bandwidth", "decode"])
+    p.add_argument("--only", nargs="+", help="methods for the decode section (default: every registered one)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=300.0,
+        help="seconds; decode rows reached later are written as skipped",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    dry = args.dry or DRY
+    if dry and os.environ.get("TRITON_INTERPRET") != "1":
+        print("gpu_check: --dry needs TRITON_INTERPRET=1 set before triton is imported", file=sys.stderr)
+        return 2
+    bad = sorted(set(args.sections) - {"parity", "bandwidth", "decode"})
+    if bad:
+        print(f"gpu_check: --sections {bad[0]!r} is not one of parity, bandwidth, decode", file=sys.stderr)
+        return 2
+    if not dry and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; run with --dry for the CPU interpreter check", file=sys.stderr)
+        return 2
+    sizes = DRY_SIZES if dry else FULL
+    if args.only:
+        from kvbench.methods import METHODS
+
+        unknown = [m for m in args.only if m not in METHODS.names()]
+        if unknown:
+            print(
+                f"gpu_check: --only {unknown[0]!r} is not a registered method: {', '.join(METHODS.names())}",
+                file=sys.stderr,
+            )
+            return 2
+        sizes = Sizes(**{**sizes.__dict__, "methods": tuple(args.only)})
+    device = torch.device("cpu" if dry else "cuda")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {platform.machine()}"
+    print(
+        f"gpu_check: {'dry (TRITON_INTERPRET=1, tiny sizes)' if dry else 'full'} on {where}, "
+        f"torch {torch.__version__}",
+        flush=True,
+    )
+
+    sections = {
+        "parity": (Section("parity", PARITY_COLUMNS), parity),
+        "bandwidth": (Section("bandwidth", BANDWIDTH_COLUMNS), bandwidth),
+        "decode": (
+            Section("decode", DECODE_COLUMNS),
+            lambda s, d, sec: decode(s, d, sec, started + args.budget_s, args.budget_s),
+        ),
+    }
+    summary = []
+    for name in args.sections:
+        section, run = sections[name]
+        section.path = args.out_dir / f"gpu_{name}.csv"
+        section.write()
+        t0 = time.monotonic()
+        crashed = None
+        try:
+            run(sizes, device, section)
+        except Exception as exc:  # noqa: BLE001 - a section that dies still reports
+            crashed = one_line(exc)
+            traceback.print_exc()
+        failed, skipped = len(section.failures()), len(section.skipped())
+        summary.append(
+            (name, len(section.rows), failed, skipped, crashed, time.monotonic() - t0, section.path)
+        )
+    print("gpu_check summary:", flush=True)
+    worst = 0
+    for name, n, failed, skipped, crashed, seconds, path in summary:
+        state = f"CRASHED ({crashed})" if crashed else ("ok" if not failed else f"{failed} FAILED")
+        state += f", {skipped} skipped" if skipped else ""
+        print(f"  {name:10s} {n:4d} rows, {state}, {seconds:.0f} s -> {path}", flush=True)
+        if crashed or failed or skipped:  # a row not measured is not a pass
+            worst = 1
+    return worst
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
