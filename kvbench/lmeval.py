@@ -423,7 +423,10 @@ class KVBenchLM(TemplateLM):
         """Account a call's requests and warn where the method's lossless window held all of one."""
         for record in records:
             self.tally.add(record)
-        found = covered_requests(self.method.config, Counter(r.memory.tokens for r in records))
+        method = getattr(self.runner, "method", None)  # a stand-in runner of a test may have none
+        if method is None:
+            return
+        found = covered_requests(method.config, Counter(r.memory.tokens for r in records))
         if found:
             kind = records[0].request_type
             found = {f"{kind}/{code}": f"{kind}: {message}" for code, message in found.items()}
@@ -433,7 +436,8 @@ class KVBenchLM(TemplateLM):
                     self._warn(message)
 
     def _bar(self, requests, what: str, disable: bool):
-        desc = f"kvbench {what} ({self.method.label()})"
+        method = getattr(self.runner, "method", None)
+        desc = f"kvbench {what}" + (f" ({method.label()})" if method is not None else "")
         return tqdm(requests, desc=desc, disable=disable, file=sys.stderr)
 
     # -- what TemplateLM needs -----------------------------------------------------------------

@@ -273,15 +273,6 @@ def test_kvbench_lm_eval_runs_a_local_task_and_reports_the_effective_bits(
     assert "kvbench: warning: loglikelihood: 4 of 13" in err
     assert "kvbench loglikelihood (kivi-2b)" in err  # the progress bar
     assert results["results"]["kvbench_tiny_mc"]["acc,none"] >= 0.6
-    # the same task through an FP16 cache: 16 bits on every request, no warning
-    main(
-        ["--model_args", "method=fp16", "--tasks", "kvbench_tiny_mc", "--include_path", str(TINY_TASKS)]
-        + ["--output_path", str(tmp_path / "fp16"), "--device", "cpu"]
-    )
-    [path] = list((tmp_path / "fp16").rglob("results_*.json"))
-    info16 = json.loads(path.read_text())["config"]["kvbench"]
-    assert info16["effective_bits"] == 16.0 and info16["warnings"] == {}
-    assert info16["run_id"] != info["run_id"]
 
 
 def test_kvbench_lm_eval_says_a_bad_model_arg_in_one_line(local_tasks_only, capsys):
