@@ -6,6 +6,7 @@ lm-eval multiple-choice task from a local file."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +172,162 @@ def test_lm_eval_model_args_build_through_the_run_builder(data_root, monkeypatch
     assert lm.runner.shape.num_kv_heads == 3 and lm.max_length == lm.runner.shape.max_context
     # a method without a bits knob ignores them, as a run does
     assert KVBenchLM.create_from_arg_string("method=fp16,bits=3").runner.method.label() == "fp16"
+
+
+# --- lm-eval as a client: kvbench-lm-eval, strict model_args, what the results JSON carries ------
+
+TINY_TASKS = Path(__file__).resolve().parent / "fixtures" / "lmeval"
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+
+
+@pytest.fixture
+def local_tasks_only(monkeypatch):
+    """lm-eval's CLI indexes its ~13,000 built-in task YAMLs (20-30 s) before it reads
+    ``--include_path``; the tests need only the tiny tasks under tests/fixtures/lmeval."""
+    import lm_eval.tasks
+
+    class LocalTaskManager(lm_eval.tasks.TaskManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "include_defaults": False})
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalTaskManager)
+    return LocalTaskManager
+
+
+@pytest.mark.parametrize(
+    ("model_args", "key", "says"),
+    [
+        ("method=kivi,residual=32", "residual", "did you mean method.residual?"),
+        ("method=kivi,pretrained=/nonexistent", "pretrained", "use model.path"),
+        ("method=kivi,dtype=bfloat16", "dtype", "use model.dtype"),
+        ("method=fp16,method.residual=32", "method.residual", "allowed: backend, bits, fp_dtype"),
+        ("method=kivi,method.residul=32", "method.residul", "did you mean residual?"),
+        ("model.dtype=float64", "model.dtype", "one of float32, float16, bfloat16"),
+        ("model.colour=red", "model.colour", "allowed:"),
+        ("method=kivi,batch_size=8", "batch_size", "1 or auto"),
+        ("method=nosuch", "method.name", "registered methods are"),
+        ("model=nosuch", "model", "known model nodes: "),
+        ("bits=-1", "bits", "a positive number"),
+        ("device=tpu", "device", "auto, cpu, cuda or cuda:N"),
+    ],
+)
+def test_model_args_are_read_strictly(model_args, key, says):
+    """Every key is kvbench's (the run's command-line keys) or one line naming it and the allowed
+    ones; each fails before the model loads."""
+    with pytest.raises(ConfigError) as err:
+        KVBenchLM.create_from_arg_string(model_args)
+    assert err.value.key.startswith(key), str(err.value)
+    assert says in str(err.value) and "\n" not in str(err.value)
+    if key in ("residual", "pretrained", "dtype"):
+        allowed = str(err.value).split("allowed: ")[1].split(", ")
+        assert {"model", "method", "bits", "model.path", "model.dtype", "method.residual"} <= set(allowed)
+
+
+def test_model_args_set_the_nodes_as_the_run_command_line_does():
+    from kvbench.lmeval import arm_id, parse_model_args
+    from kvbench.models import model_node
+
+    args = parse_model_args(
+        {"method": "kivi", "bits": 2, "method.residual": 32, "model.dtype": "bfloat16", "batch_size": 1}
+    )
+    method, model = args.method_node(), args.model_node()
+    assert (method["name"], method["bits"], method["residual"], method["group_size"]) == ("kivi", 2.0, 32, 32)
+    assert model == model_node("smollm2-135m", {"dtype": "bfloat16"}) and model["dtype"] == "bfloat16"
+    # the id changes with every knob, and only with them
+    same = arm_id(model, method, 2.0)
+    assert same == arm_id(model_node("smollm2-135m", {"dtype": "bfloat16"}), dict(method), 2.0)
+    assert same != arm_id(model, {**method, "residual": 128}, 2.0)
+    assert same != arm_id(model_node("smollm2-135m"), method, 2.0)
+
+
+def test_kvbench_lm_eval_runs_a_local_task_and_reports_the_effective_bits(
+    tmp_path, local_tasks_only, capsys, monkeypatch
+):
+    """The acceptance command: lm-eval's own CLI, ``--model kvbench``, the KIVI-2 knobs as
+    ``model_args``, a local task; its results JSON carries the method, its config, its run id and
+    the effective bits, and KIVI's residual covering the short prompts is said."""
+    from kvbench.lmeval import arm_id, main, parse_model_args
+
+    monkeypatch.setattr(KVBenchLM, "latest", None)
+    args = "method=kivi,bits=2,method.residual=32"
+    main(
+        ["--model", "kvbench", "--model_args", args, "--tasks", "kvbench_tiny_mc"]
+        + ["--include_path", str(TINY_TASKS), "--output_path", str(tmp_path), "--device", "cpu"]
+    )
+    err = capsys.readouterr().err
+    [path] = list(tmp_path.rglob("results_*.json"))
+    assert path.parent.name == "kvbench__smollm2-135m__kivi-2b"  # filed under the arm, not a random id
+    results = json.loads(path.read_text())
+    assert results["model_name"] == "kvbench/smollm2-135m/kivi-2b"
+    info = results["config"]["kvbench"]
+    assert info["method"] == "kivi-2b" and info["bits"] == 2.0
+    assert (info["method_config"]["residual"], info["method_config"]["key_bits"]) == (32, 2.0)
+    parsed = parse_model_args({"method": "kivi", "bits": 2, "method.residual": 32})
+    assert info["run_id"] == arm_id(parsed.model_node(), parsed.method_node(), 2.0)
+    assert info["requests"] == {"loglikelihood": 13}
+    # 2 of the 5 documents (4 of the 13 choice requests) fit in the 32-token residual: 16 bits each;
+    # the other 9 store 2-bit codes plus scales, so the mean lies strictly between
+    assert 2.0 < info["effective_bits"] < 16.0 and info["code_bits"] == 2.0
+    [warning] = info["warnings"].values()
+    assert warning.startswith("loglikelihood: 4 of 13 lm-eval requests") and "method.residual=32" in warning
+    assert "kvbench: warning: loglikelihood: 4 of 13" in err
+    assert "kvbench loglikelihood (kivi-2b)" in err  # the progress bar
+    assert results["results"]["kvbench_tiny_mc"]["acc,none"] >= 0.6
+
+
+def test_kvbench_lm_eval_says_a_bad_model_arg_in_one_line(local_tasks_only, capsys):
+    from kvbench.lmeval import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(
+            ["--model_args", "method=kivi,residual=32", "--tasks", "kvbench_tiny_mc"]
+            + ["--include_path", str(TINY_TASKS), "--device", "cpu"]
+        )
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("kvbench-lm-eval: error: model_args: residual=32: unknown key; did you mean")
+
+
+def test_rolling_loglikelihood_matches_lm_evals_hf_model(local_tasks_only, default_model):
+    """Word perplexity of the same model through ``--model hf`` and through an exact kvbench cache
+    agree: both condition the first rolling window on the tokenizer's BOS. Conditioning on the
+    end-of-text token instead (lm-eval's TemplateLM default) moves it, so the test can tell."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    model, tok, _ = default_model
+    assert tok.bos_token_id != tok.eos_token_id  # SmolLM2: <|im_start|> and <|im_end|>
+    manager = local_tasks_only(include_path=str(TINY_TASKS))
+
+    def word_ppl(lm):
+        out = simple_evaluate(model=lm, tasks=["kvbench_tiny_ppl"], task_manager=manager, bootstrap_iters=0)
+        return out["results"]["kvbench_tiny_ppl"]["word_perplexity,none"]
+
+    hf = HFLM(pretrained=model.config._name_or_path, dtype="float32", device="cpu", batch_size=1)
+    exact = KVBenchLM.create_from_arg_string("method=fp16,method.fp_dtype=auto,chunk=64,device=cpu")
+    assert exact.prefix_token_id == hf.prefix_token_id == tok.bos_token_id
+    reference, ours = word_ppl(hf), word_ppl(exact)
+    assert ours == pytest.approx(reference, rel=1e-4)
+    eot = KVBenchLM(exact.runner, chunk=64, prefix_token_id=tok.eos_token_id)
+    assert abs(word_ppl(eot) / reference - 1) > 0.01
+
+
+def test_the_package_declares_the_script_and_lm_evals_plugin_entry_point():
+    """``kvbench-lm-eval`` and the ``lm_eval.models`` entry point name real objects, and lm-eval's
+    model registry loads the entry point as a lazy placeholder (as its plugin discovery registers
+    one) into the kvbench model."""
+    import tomllib
+    from importlib.metadata import EntryPoint
+
+    from lm_eval.api.registry import Registry
+
+    from kvbench import lmeval
+
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    assert project["scripts"]["kvbench-lm-eval"] == "kvbench.lmeval:main"
+    [(name, target)] = project["entry-points"]["lm_eval.models"].items()
+    assert name == "kvbench"
+    registry = Registry("model")
+    registry.register(name, target=EntryPoint(name=name, value=target, group="lm_eval.models"))
+    assert registry.get("kvbench") is KVBenchLM
+    assert EntryPoint(name="main", value="kvbench.lmeval:main", group="console_scripts").load() is lmeval.main

@@ -225,7 +225,10 @@ class LMEvalBase(Task):
         from kvbench.lmeval import DEFAULT_MAX_GEN_TOKS, KVBenchLM
 
         if self._lm is None or self._lm.runner is not runner:
-            self._lm = KVBenchLM(runner, chunk=self.config.chunk, max_gen_toks=DEFAULT_MAX_GEN_TOKS)
+            # one call per document: the run's own bar and warnings speak for the whole task
+            self._lm = KVBenchLM(
+                runner, chunk=self.config.chunk, max_gen_toks=DEFAULT_MAX_GEN_TOKS, announce=False
+            )
         return self._lm
 
     # -- kvbench Task --------------------------------------------------------------------------
@@ -264,7 +267,8 @@ class LMEvalBase(Task):
         for request_type, group in by_type.items():
             # as lm-eval's evaluator: each request `repeats` times, responses appended in order
             cloned = [inst for inst in group for _ in range(inst.repeats)]
-            for inst, resp in zip(cloned, getattr(lm, request_type)(cloned), strict=True):
+            responses = getattr(lm, request_type)(cloned, disable_tqdm=True)
+            for inst, resp in zip(cloned, responses, strict=True):
                 inst.resps.append(resp)
             records += lm.records
         task._instances = instances  # apply_filters runs lm-eval's filter ensembles on these
