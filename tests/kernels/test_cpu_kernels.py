@@ -346,3 +346,19 @@ def test_token_append_is_bit_identical_to_the_reference(reader, arithmetic, dtyp
                 assert torch.equal(got[0], pack(codes, levels)), f"{where}: codes differ"
                 assert got[1].dtype == scale.dtype and torch.equal(got[1], scale), f"{where}: scales differ"
                 assert got[2].dtype == zero.dtype and torch.equal(got[2], zero), f"{where}: zeros differ"
+
+
+def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(tmp_path, capsys):
+    """torch's extension loader waits for ever on a lock file a killed build left behind."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu._clear_stale_lock(tmp_path)
+    assert lock.exists(), "a fresh lock belongs to a build in progress"
+    old = time.time() - cpu.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    cpu._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    assert "stale kernel build lock" in capsys.readouterr().err

@@ -19,11 +19,13 @@ import hashlib
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from kvbench import atomic
 from kvbench.paths import cache_dir
 
 SOURCE = Path(__file__).with_name("attention.cpp")
@@ -65,14 +67,37 @@ def _build() -> ModuleType:
             file=sys.stderr,
             flush=True,
         )
+    # Compiled from a copy inside the build folder: the folder is keyed by the source's content,
+    # and two checkouts with the same source would otherwise rebuild each other's build (ninja
+    # records the source's path).
+    source = where / SOURCE.name
+    if not source.is_file() or source.read_bytes() != SOURCE.read_bytes():
+        atomic.write_bytes(source, SOURCE.read_bytes())  # several processes may start at once
+    _clear_stale_lock(where)
     return load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(source)],
         build_directory=str(where),
         extra_cflags=["-O3", "-fopenmp", *isa_flags()],
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
+
+
+STALE_LOCK_S = 600
+
+
+def _clear_stale_lock(where: Path) -> None:
+    """Remove the build lock a killed build left behind: torch waits on it for ever. A build takes
+    about a minute here, so a lock older than :data:`STALE_LOCK_S` has no live owner."""
+    lock = where / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        print(f"kvbench: removing a stale kernel build lock ({lock}, {age:.0f} s old)", file=sys.stderr)
+        lock.unlink(missing_ok=True)
 
 
 def cpu_kernels() -> ModuleType | None:
