@@ -89,6 +89,7 @@ from kvbench.methods.semkv_metrics import (
     metric_seed,
 )
 from kvbench.quant.blockwise import ConcatSource
+from kvbench.quant.levels import BITS_TOLERANCE
 from kvbench.quant.mixed import (
     RunningAllocator,
     high_fraction,
@@ -139,7 +140,7 @@ class SemKVConfig(MethodConfig):
         lo, hi = math.log2(self.low_levels), math.log2(self.high_levels)
         allowed = (
             f"an average code width in [log2 {self.low_levels}, log2 {self.high_levels}]"
-            f" = [{lo:.4f}, {hi:.4f}]"
+            f" = [{lo:.4f}, {hi:.4f}], each end to within {BITS_TOLERANCE}"
         )
         try:
             high_fraction(float(target), self.low_levels, self.high_levels)

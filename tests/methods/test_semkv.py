@@ -40,6 +40,18 @@ def test_high_fraction_is_the_linear_interpolation():
         high_fraction(2.6, 5, 6)
 
 
+@pytest.mark.parametrize("bits, p", [(2.585, 1.0), (2.322, None), (2.58, None), (2.3219, 0.0)])
+def test_grid_ends_accept_the_spelling_every_bit_width_accepts(bits, p):
+    """``bits=2.585`` names log2 6 for SemKV as for uniform: the same 0.005 tolerance at each end."""
+    assert method(bits=2.585).config.high_fraction == 1.0
+    assert build_method({"name": "uniform", "bits": bits}).config.levels() in (5, 6)
+    got = method(target_bits=bits).config.high_fraction
+    assert got == pytest.approx((bits - B5) / (B6 - B5) if p is None else p)
+    for outside in (2.591, 2.316):
+        with pytest.raises(ConfigError, match="within 0.005"):
+            method(target_bits=outside)
+
+
 def test_carried_remainder_keeps_every_prefix_at_round_p_n():
     alloc = RunningAllocator(P)
     units, total, high = [300, 64, 64, 64, 17, 64, 1, 64], 0, 0
