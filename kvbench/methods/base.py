@@ -180,6 +180,19 @@ class Method:
         state on ``cache``, which is fresh for every request. Default: one plain forward."""
         return runner.forward(input_ids, cache)
 
+    def new_request(self, new_tokens: int) -> None:
+        """Called by the runner before each request's cache is made, with how many tokens the
+        request will store after its prompt (a scored continuation's length; a generation's
+        ``max_new_tokens - 1``, its last token being stored nowhere). Default: nothing."""
+
+    def end_request(self, cache: KVBenchCache) -> None:
+        """Called by the runner with each request's cache once it is done. Default: nothing."""
+
+    def run_warnings(self) -> dict[str, str]:
+        """Warnings from the requests this process ran (code -> one line), merged into the run's
+        metrics. Default: none."""
+        return {}
+
     def prepare(self, model, tokenizer, shape: ModelShape, data_root) -> None:
         """Called once after the model is loaded and before any sample runs: offline calibration
         (KVQuant's per-channel key ranges and non-uniform datatypes, ...) goes here. Default: none."""
