@@ -79,7 +79,7 @@ class ModelRunner:
         transformers' own cache."""
         cache = self.method.new_cache(self.shape, self.model.dtype)
         sliding = self.shape.sliding_layers()
-        if sliding:
+        if sliding and self.method.config.sliding_windows == "full_precision":
             fp_dtype = self.method.config.torch_fp_dtype(self.model.dtype)
             cache.layers[:] = with_window_layers(cache.layers, sliding, self.shape.sliding_window, fp_dtype)
         return cache

@@ -79,6 +79,12 @@ class EvictionConfig(MethodConfig):
         require(
             self.sink_tokens == 0, "method.sink_tokens", self.sink_tokens, "0 (sinks are a policy's own knob)"
         )
+        require(
+            self.sliding_windows == "full_precision",
+            "method.sliding_windows",
+            self.sliding_windows,
+            "full_precision (kept tokens hold no positions, so no sliding mask applies to them)",
+        )
         check_choice("method.backend", self.backend, ("auto", "torch"))
         self.matched_method = None
         if self.matched_memory is not None:
