@@ -79,7 +79,7 @@ class ModelRunner:
         transformers' own cache."""
         cache = self.method.new_cache(self.shape, self.model.dtype)
         sliding = self.shape.sliding_layers()
-        if sliding:
+        if sliding and self.method.config.sliding_windows == "full_precision":
             fp_dtype = self.method.config.torch_fp_dtype(self.model.dtype)
             cache.layers[:] = with_window_layers(cache.layers, sliding, self.shape.sliding_window, fp_dtype)
         return cache
@@ -114,6 +114,7 @@ class ModelRunner:
         EOS, at any of ``stop_token_ids`` or once a ``stop_strings`` entry appears; no stop token may
         be chosen among the first ``min_new_tokens`` (a benchmark's ``min_length`` rule)."""
         stops = self.eos_ids | set(stop_token_ids)
+        self.method.new_request(max_new_tokens - 1)
         cache = self.new_cache()
         t0 = time.perf_counter()
         logits = self.forward(input_ids, cache)
@@ -142,6 +143,7 @@ class ModelRunner:
         for s in stop_strings:
             text = text.split(s)[0]
         memory = memory_report(cache.layers)
+        self.method.end_request(cache)
         return Generation(text, tokens, input_ids.shape[1], stopped, memory, prefill_s, decode_s)
 
     @torch.no_grad()
@@ -174,6 +176,7 @@ class ModelRunner:
             raise ValueError(f"first={first!r}: one of {', '.join(SCORE_FIRST)}")
         if context_ids.shape[1] < 1:
             raise ValueError("scoring needs at least one context token")
+        self.method.new_request(continuation_ids.shape[1])
         cache = self.new_cache()
         t0 = time.perf_counter()
         if first == "prefill":
@@ -199,4 +202,5 @@ class ModelRunner:
             nll.extend((-logp.gather(-1, target[:, None])[:, 0]).tolist())
             greedy = greedy and bool((logp.argmax(-1) == target).all())
         memory = memory_report(cache.layers)
+        self.method.end_request(cache)
         return Scored(nll, memory, time.perf_counter() - t0, greedy)

@@ -39,7 +39,12 @@ def canonical_json(obj: Any) -> str:
 # Keys whose default value reproduces what runs made before the key existed computed.
 INERT_DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"gguf": None},
-    "method": {"calibration_data": "wikitext2"},
+    "method": {
+        "calibration_data": "wikitext2",
+        "outlier_channels": 0,
+        "outlier_bits": None,
+        "sliding_windows": "full_precision",
+    },
     "task": {"chat_template": "auto", "path": None, "text_field": "text", "offset": 0, "add_bos": False},
 }
 

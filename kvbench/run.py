@@ -455,7 +455,7 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
         # the rows in the task's order, whatever order they were appended in
         rows = [done[s["id"]] for s in samples if s["id"] in done]
         memory = memory_summary(rows)
-        measured = memory_warnings(memory, method.label())
+        measured = {**memory_warnings(memory, method.label()), **method.run_warnings()}
         for message in measured.values():
             warn(message)
         metrics = {
@@ -470,6 +470,8 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
             "primary_metric": task.primary_metric,
             "metrics": task.aggregate(rows),
             "memory": memory,
+            # what the model's sliding-window layers held (kvbench.methods.base.SLIDING_RULES)
+            "sliding_windows": method.config.sliding_windows if runner.shape.sliding_layers() else "none",
             "warnings": {**plan.warnings, **measured},
             "timings": {
                 "model_load_s": loaded.load_s,

@@ -94,6 +94,28 @@ CONFIGS = {
 }
 
 
+def _head_dim_256():
+    return LlamaConfig(
+        **COMMON, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=256
+    )
+
+
+# Shapes that showed a method detail on an unseen model, for the tests of that detail only (every
+# method on every architecture runs on CONFIGS alone, to keep the suite fast).
+DETAIL_CONFIGS = {"llama-hd256": _head_dim_256, "qwen2-key-outliers": _qwen2}
+# Qwen2 with key bias whose first layer's keys are large in a few channels: as on the Qwen2 model
+# where TurboQuant-MSE collapsed (key norms ~277 in the first layers, ~17 later). The bias sits in
+# the lowest-frequency RoPE pairs, where post-RoPE keys stay nearly constant across a short prompt.
+KEY_OUTLIER_CHANNELS = (30, 31, 62, 63)
+KEY_OUTLIER_BIAS = (60.0, -45.0, 50.0, -55.0)  # layer-0 key norms ~106 against ~6.4 in layer 1
+
+
+def _with_key_outliers(model: torch.nn.Module) -> None:
+    bias = model.model.layers[0].self_attn.k_proj.bias
+    with torch.no_grad():
+        bias[list(KEY_OUTLIER_CHANNELS)] = torch.tensor(KEY_OUTLIER_BIAS)
+
+
 class StubTokenizer:
     """What :class:`kvbench.generate.ModelRunner` asks of a tokenizer when it is handed ids."""
 
@@ -105,7 +127,9 @@ class StubTokenizer:
 
 def tiny_model(arch: str) -> tuple[torch.nn.Module, ModelShape]:
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    model = AutoModelForCausalLM.from_config({**CONFIGS, **DETAIL_CONFIGS}[arch]()).eval()
+    if arch == "qwen2-key-outliers":
+        _with_key_outliers(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.generation_config.eos_token_id = None
     return model, shape_of_config(model.config)

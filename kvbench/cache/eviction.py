@@ -158,6 +158,7 @@ class EvictionLayer(KVLayer):
         self.fp_dtype = fp_dtype
         self.budget_of = budget_of
         self.budget: int | None = None
+        self.prompt_len = 0  # tokens of the first forward, which resolved the budget
         self.k: torch.Tensor | None = None  # [B, H_kv, n, D], fp_dtype
         self.v: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None  # with record_positions
@@ -224,7 +225,8 @@ class EvictionLayer(KVLayer):
         if self.num_tokens == 0:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            self.budget = self.budget_of(self, key_states.shape[-2])
+            self.prompt_len = key_states.shape[-2]
+            self.budget = self.budget_of(self, self.prompt_len)
             self._prefill_pending = True
         self._unattended = True
         return super().update(key_states, value_states, *args, **kwargs)

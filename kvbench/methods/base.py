@@ -20,6 +20,10 @@ from kvbench.registry import Registry
 # ``auto``: compiled CPU kernels read the stored tokens on the CPU (torch packs them), triton does
 # both on CUDA where it is installed; ``torch``: the plain-torch reference everywhere.
 BACKENDS = ("auto", "torch", "triton")
+# What a sliding-window layer (Gemma-3's local layers) holds: ``full_precision``, its window in
+# fp_dtype as transformers' cache does (the default); ``method``, every token in the method's own
+# storage, like a full-attention layer, the window applied by the model's sliding mask.
+SLIDING_RULES = ("full_precision", "method")
 METHODS: Registry[type[Method]] = Registry("method")
 register_method = METHODS.register
 
@@ -41,13 +45,23 @@ class MethodConfig:
     ``bits_knob`` names the field the run's top-level ``bits`` fills (:func:`with_run_bits`):
     ``bits`` for a method whose code width is its bit knob, another field where the run's bits mean
     something else (ReadKV: the read budget), ``None`` for a method without one (FP16, eviction), so
-    that a node never has to carry a ``bits: ${bits}`` line to see the run's value."""
+    that a node never has to carry a ``bits: ${bits}`` line to see the run's value.
+
+    ``sliding_windows`` (:data:`SLIDING_RULES`) is the rule for sliding-window layers: by default
+    they hold their window in full precision under every method (so a Gemma-3 model keeps 12-15
+    effective bits at 1K tokens whatever the method); ``method`` stores those layers as the method
+    stores every other layer, as the papers (whose models have no sliding layers) quantize every
+    layer's cache. Such a layer holds every token it was given (methods cannot drop a token from
+    their codes), the model's sliding mask keeps attention to the window, and its accounting counts
+    what it holds: effective bits are then the method's, not transformers' window's. A run records
+    the rule it used in its metrics (``sliding_windows``)."""
 
     name: str = ""
     bits: float | None = None
     fp_dtype: str = "float16"
     backend: str = "auto"
     sink_tokens: int = 0
+    sliding_windows: str = "full_precision"
 
     default_bits: ClassVar[float | None] = None
     # Bumped whenever the method's stored bytes or attention change for the same config: a version
@@ -61,6 +75,7 @@ class MethodConfig:
     def __post_init__(self):
         check_choice("method.fp_dtype", self.fp_dtype, (*DTYPES, "auto"))
         check_choice("method.backend", self.backend, BACKENDS)
+        check_choice("method.sliding_windows", self.sliding_windows, SLIDING_RULES)
         if self.backend != "auto" and self.backend not in self.backends:
             raise ConfigError(
                 "method.backend",
@@ -180,6 +195,19 @@ class Method:
         state on ``cache``, which is fresh for every request. Default: one plain forward."""
         return runner.forward(input_ids, cache)
 
+    def new_request(self, new_tokens: int) -> None:
+        """Called by the runner before each request's cache is made, with how many tokens the
+        request will store after its prompt (a scored continuation's length; a generation's
+        ``max_new_tokens - 1``, its last token being stored nowhere). Default: nothing."""
+
+    def end_request(self, cache: KVBenchCache) -> None:
+        """Called by the runner with each request's cache once it is done. Default: nothing."""
+
+    def run_warnings(self) -> dict[str, str]:
+        """Warnings from the requests this process ran (code -> one line), merged into the run's
+        metrics. Default: none."""
+        return {}
+
     def prepare(self, model, tokenizer, shape: ModelShape, data_root) -> None:
         """Called once after the model is loaded and before any sample runs: offline calibration
         (KVQuant's per-channel key ranges and non-uniform datatypes, ...) goes here. Default: none."""
@@ -196,7 +224,7 @@ class Method:
         fp_dtype = self.config.torch_fp_dtype(model_dtype)
         layers: list[KVLayer] = []
         for i in range(shape.num_layers):
-            if shape.is_sliding(i):
+            if shape.is_sliding(i) and self.config.sliding_windows == "full_precision":
                 layers.append(SlidingWindowLayer(i, shape.sliding_window, fp_dtype))
                 continue
             layer = self.make_layer(i, shape, model_dtype)

@@ -13,11 +13,22 @@ Knobs common to all four:
   token; ``1.0`` keeps the whole prompt.
 - ``window``: the newest tokens always kept (clipped to the budget).
 - ``matched_memory``: ``null``, or a method node such as ``{name: kivi, bits: 2}``. Then ``budget`` is
-  ignored: at the first forward of a prompt of T tokens, that method's cache is built for the same
-  shape and T tokens, and each layer keeps ``floor(bytes_l / c_l)`` tokens, where ``bytes_l`` is what
-  the quantized cache's layer l holds (read from its tensors, not a formula) and ``c_l`` the bytes one
-  kept token costs here (keys, values and any per-token score). The eviction cache then holds at
-  most the quantized cache's bytes and less than one token below them. On the command line:
+  ignored and the bytes are matched at the end of the request: the runner says how many tokens a
+  request stores after its prompt (:meth:`~kvbench.methods.base.Method.new_request`: a scored
+  continuation's length, a generation's ``max_new_tokens - 1``), and at the first forward of a prompt
+  of T tokens that method's cache is built for the same shape and fed T tokens, then the N planned
+  ones one at a time, as decoding stores them. With ``bytes_l`` what its layer l then holds (read
+  from its tensors, not a formula) and ``c_l`` the bytes one kept token costs here (keys, values and
+  any per-token score), a policy that evicts while decoding (StreamingLLM, H2O: it holds its budget
+  at every step) keeps ``floor(bytes_l / c_l)`` tokens, and a prefill-only policy (SnapKV, random
+  pruning: every decoded token is added in FP16) ``floor(bytes_l / c_l) - N``. So when the request
+  stores what it planned, the eviction cache ends holding at most the quantized cache's bytes for the
+  same tokens and less than one kept token per layer below them: the **tolerance** of the match.
+  Matching the prompt alone (the rule before version 2) let a prefill-only policy end a perplexity
+  window 8% above KIVI-2's bytes. Each request is checked against that tolerance at its end
+  (:meth:`EvictionMethod.end_request`, from the caches' held tensors), and a run whose requests
+  missed it (a budget clamped at one token, a generation that stopped early, a prompt shorter than
+  the budget) warns with the numbers (:meth:`EvictionMethod.run_warnings`). On the command line:
   ``'method.matched_memory={name:kivi,bits:2}'``.
 
 Sliding-window layers (Gemma-3's local layers) hold their window in full precision as in every
@@ -52,6 +63,8 @@ class EvictionConfig(MethodConfig):
     matched_memory: dict[str, Any] | None = None
 
     bits_knob: ClassVar[str | None] = None  # keeps tokens in fp_dtype: the run's bits change nothing
+    # 2: a matched-memory budget matches the bytes at the request's end, decoded tokens included
+    version: ClassVar[int] = 2
 
     def __post_init__(self):
         super().__post_init__()
@@ -65,6 +78,12 @@ class EvictionConfig(MethodConfig):
         self.check_window()
         require(
             self.sink_tokens == 0, "method.sink_tokens", self.sink_tokens, "0 (sinks are a policy's own knob)"
+        )
+        require(
+            self.sliding_windows == "full_precision",
+            "method.sliding_windows",
+            self.sliding_windows,
+            "full_precision (kept tokens hold no positions, so no sliding mask applies to them)",
         )
         check_choice("method.backend", self.backend, ("auto", "torch"))
         self.matched_method = None
@@ -110,6 +129,49 @@ class EvictionMethod(Method):
         super().__init__(config)
         self.shape: ModelShape | None = None
         self._matched_bytes: dict[tuple, list[int]] = {}
+        self.planned = 0  # tokens the current request stores after its prompt
+        # per request that missed the tolerance: (held bytes, matched bytes, values) of its layers
+        self.misses: list[tuple[int, int, int]] = []
+        self.requests = 0
+
+    def new_request(self, new_tokens: int) -> None:
+        self.planned = max(0, int(new_tokens))
+
+    def end_request(self, cache) -> None:
+        """Check the request's eviction layers against the matched bytes for the tokens they saw."""
+        if self.config.matched_method is None:
+            return
+        layers = [x for x in cache.layers if isinstance(x, EvictionLayer) and x.prompt_len]
+        if not layers:
+            return
+        self.requests += 1
+        held = matched = values = 0
+        missed = False
+        for layer in layers:
+            new = layer.num_tokens - layer.prompt_len
+            target = self.matched_bytes(layer.prompt_len, layer.batch_size, layer.dtype, layer.device, new)[
+                layer.layer_idx
+            ]
+            mine = sum(tensor_bytes(t) for t in layer.held_tensors().values())
+            missed = missed or not 0 <= target - mine < layer.bytes_per_token()
+            held, matched = held + mine, matched + target
+            values += 2 * layer.batch_size * layer.num_kv_heads * layer.head_dim * layer.num_tokens
+        if missed:
+            self.misses.append((held, matched, values))
+
+    def run_warnings(self) -> dict[str, str]:
+        if not self.misses:
+            return {}
+        held, matched, values = (sum(m[i] for m in self.misses) for i in range(3))
+        other = self.config.matched_method.label()
+        return {
+            "matched_memory_gap": (
+                f"{self.label()}: {len(self.misses)} of {self.requests} requests missed {other}'s bytes "
+                f"by more than the tolerance (at most its bytes, less than one kept token per layer "
+                f"below): {8 * held / values:.3g} effective bits against {8 * matched / values:.3g} "
+                f"({100 * (held / matched - 1):+.1f}% bytes) over those requests"
+            )
+        }
 
     def build_layer(self, layer_idx: int, fp_dtype: torch.dtype) -> EvictionLayer:
         raise NotImplementedError
@@ -125,24 +187,31 @@ class EvictionMethod(Method):
     def budget_for(self, layer: EvictionLayer, prompt_len: int) -> int:
         if self.config.matched_method is None:
             return budget_tokens(self.config.budget, prompt_len)
-        target = self.matched_bytes(prompt_len, layer.batch_size, layer.dtype, layer.device)[layer.layer_idx]
-        return max(1, target // layer.bytes_per_token())
+        planned = self.planned
+        target = self.matched_bytes(prompt_len, layer.batch_size, layer.dtype, layer.device, planned)
+        tokens = target[layer.layer_idx] // layer.bytes_per_token()
+        return max(1, tokens if layer.evicts_in_decode else tokens - planned)
 
-    def matched_bytes(self, prompt_len: int, batch: int, dtype: torch.dtype, device) -> list[int]:
+    def matched_bytes(
+        self, prompt_len: int, batch: int, dtype: torch.dtype, device, new_tokens: int = 0
+    ) -> list[int]:
         """Bytes each layer of the matched method's cache holds after a prefill of ``prompt_len``
-        tokens, measured on a cache built for this model's shape."""
-        key = (prompt_len, batch, dtype, str(device))
+        tokens and ``new_tokens`` one-token updates, measured on a cache built for this model's
+        shape."""
+        key = (prompt_len, new_tokens, batch, dtype, str(device))
         if key not in self._matched_bytes:
             s = self.shape
             cache = self.config.matched_method.new_cache(s, dtype)
             gen = torch.Generator().manual_seed(MATCHED_SEED)
             sizes = []
             for layer in cache.layers:
-                k, v = torch.randn(2, batch, s.num_kv_heads, prompt_len, s.head_dim, generator=gen).to(
-                    device, dtype
-                )
+                k, v = torch.randn(
+                    2, batch, s.num_kv_heads, prompt_len + new_tokens, s.head_dim, generator=gen
+                ).to(device, dtype)
                 # the layer's own update: the cache-level one would publish it as the active layer
-                layer.update(k, v)
+                layer.update(k[..., :prompt_len, :], v[..., :prompt_len, :])
+                for t in range(prompt_len, prompt_len + new_tokens):
+                    layer.update(k[..., t : t + 1, :], v[..., t : t + 1, :])
                 sizes.append(sum(tensor_bytes(t) for t in layer.held_tensors().values()))
             self._matched_bytes[key] = sizes
         return self._matched_bytes[key]

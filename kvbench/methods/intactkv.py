@@ -45,7 +45,14 @@ class IntactKVConfig(MethodConfig):
             self.base.get("name"),
             "the node of another method (e.g. kivi, uniform)",
         )
-        node = {"bits": self.bits, "fp_dtype": self.fp_dtype, **self.base, "sink_tokens": self.tokens}
+        # the sliding-window rule is the wrapper's: the runner reads it from this config
+        node = {
+            "bits": self.bits,
+            "fp_dtype": self.fp_dtype,
+            **self.base,
+            "sink_tokens": self.tokens,
+            "sliding_windows": self.sliding_windows,
+        }
         self.base_method = build_method(node)
 
     def stored_levels(self):

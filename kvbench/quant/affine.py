@@ -19,21 +19,17 @@ import math
 import torch
 
 from kvbench.errors import ConfigError
-from kvbench.quant.levels import MAX_LEVELS, MIN_LEVELS, check_levels
+from kvbench.quant.levels import MAX_LEVELS, MIN_LEVELS, check_levels, names_bits
 
 ZERO_POINTS = ("minmax", "specache")
 AXES = ("token", "channel")
-
-# A bits value is accepted when it names an integer level count up to this tolerance, so that the
-# usual 3-4 digit spellings (1.585, 2.322, 2.585) are accepted.
-_BITS_TOLERANCE = 0.005
 
 
 def levels_for_bits(bits: float, key: str = "bits") -> int:
     """Level count ``L`` for a bit width ``bits = log2(L)``.
 
-    Raises ConfigError (naming ``key``) unless ``bits`` is within 0.005 of ``log2(L)`` for an integer
-    ``L`` in 2..256.
+    Raises ConfigError (naming ``key``) unless ``bits`` is within
+    :data:`~kvbench.quant.levels.BITS_TOLERANCE` (0.005) of ``log2(L)`` for an integer ``L`` in 2..256.
     """
     allowed = (
         f"allowed values are log2(L) for an integer level count L in {MIN_LEVELS}..{MAX_LEVELS} "
@@ -47,7 +43,7 @@ def levels_for_bits(bits: float, key: str = "bits") -> int:
     if not math.isfinite(bits_f) or not 0.5 <= bits_f <= 8.5:
         raise ConfigError(key, bits, allowed)
     levels = round(2.0**bits_f)
-    if not MIN_LEVELS <= levels <= MAX_LEVELS or abs(math.log2(levels) - bits_f) > _BITS_TOLERANCE:
+    if not MIN_LEVELS <= levels <= MAX_LEVELS or not names_bits(bits_f, levels):
         raise ConfigError(key, bits, allowed)
     return levels
 

@@ -21,17 +21,20 @@ import math
 
 import torch
 
+from kvbench.quant.levels import BITS_TOLERANCE
 from kvbench.quant.packing import pack, unpack
 
 _EPS = 1e-9  # p * N is computed in floating point; 12.9999999 must round like 13
 
 
 def high_fraction(target_bits: float, low_levels: int, high_levels: int) -> float:
-    """``p`` of the module docstring; raises ValueError outside ``[log2 L_lo, log2 L_hi]``."""
+    """``p`` of the module docstring; raises ValueError outside ``[log2 L_lo, log2 L_hi]`` widened by
+    :data:`~kvbench.quant.levels.BITS_TOLERANCE` at each end (the tolerance every bit width gets:
+    ``2.585`` names log2 6 = 2.58496 here as it does for a uniform quantizer), clamped into [0, 1]."""
     lo, hi = math.log2(low_levels), math.log2(high_levels)
     if not lo < hi:
         raise ValueError(f"need low_levels < high_levels, got {low_levels}, {high_levels}")
-    if not lo - _EPS <= target_bits <= hi + _EPS:
+    if not lo - BITS_TOLERANCE <= target_bits <= hi + BITS_TOLERANCE:
         raise ValueError(f"target {target_bits} outside [{lo:.4f}, {hi:.4f}]")
     return min(max((target_bits - lo) / (hi - lo), 0.0), 1.0)
 

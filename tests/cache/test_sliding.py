@@ -13,6 +13,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from kvbench.cache import memory_report
 from kvbench.cache.sink import SinkLayer
 from kvbench.cache.sliding import WINDOW_COMPONENT, SlidingWindowLayer, with_window_layers
+from kvbench.errors import ConfigError
 from kvbench.generate import ModelRunner
 from kvbench.methods import METHODS, Method, ModelShape, build_method
 from kvbench.methods.eviction import EvictionLayer, kept_tokens
@@ -247,3 +248,33 @@ def test_the_runner_holds_every_cache_to_the_window_rule(gemma):
     cache = ModelRunner(model, loaded(model, shape).tokenizer, method, shape).new_cache()
     assert [type(layer) for layer in cache.layers] == [SlidingWindowLayer, FullPrecisionLayer] * 2
     assert cache.layers[0].k.dtype == torch.float16
+
+
+def test_sliding_windows_method_stores_the_local_layers_as_the_method_does(gemma):
+    """``method.sliding_windows=method``: the local layers hold every token in the method's storage
+    and the model's sliding mask keeps attention to the window, so FP16 still equals transformers
+    token for token, and a quantizing method's effective bits become its own instead of being held
+    up by full-precision windows."""
+    model, shape, prompt, ref = gemma
+    node = {"name": "fp16", "fp_dtype": "auto", "sliding_windows": "method"}
+    runner = loaded(model, shape).runner(build_method(node))
+    assert runner.generate(prompt, STEPS).token_ids == ref.tokens
+    logits, cache = kvbench_logits(runner, prompt, ref.tokens)
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-4, atol=1e-4)
+    assert not any(isinstance(layer, SlidingWindowLayer) for layer in cache.layers)
+    assert [layer.reference_tokens() for layer in cache.layers] == [PROMPT + STEPS - 1] * 4
+    scored = runner.score(prompt, torch.tensor([ref.tokens]), chunk=3)
+    assert scored.nll == pytest.approx(ref.nll(), abs=1e-4) and scored.greedy
+
+    long = torch.randint(0, 96, (1, 200), generator=torch.Generator().manual_seed(2))
+    bits = {}
+    for rule in ("full_precision", "method"):
+        method = build_method({"name": "uniform", "bits": 2, "sliding_windows": rule})
+        bits[rule] = loaded(model, shape).runner(method).generate(long, 3).memory.effective_bits
+    # uniform-2b at G=32 with fp16 scale and zero: 3 bits per value in every layer it stores
+    assert bits["method"] == pytest.approx(3.0, abs=0.01)
+    assert bits["full_precision"] > bits["method"] + 0.4, bits  # the fp16 windows: 3.44 bits
+    with pytest.raises(ConfigError, match="method.sliding_windows"):
+        build_method({"name": "snapkv", "sliding_windows": "method"})
+    with pytest.raises(ConfigError, match="full_precision, method"):
+        build_method({"name": "uniform", "sliding_windows": "quantized"})

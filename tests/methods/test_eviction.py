@@ -310,3 +310,41 @@ def test_recorded_positions_follow_the_kept_tokens_and_are_not_accounted():
     plain = build_method({"name": "streamingllm", "budget": 6}).new_cache(shape, torch.float32).layers[0]
     replay(plain, q, k, v, 15, 3, 0.35, attend_prefill=True)
     assert plain.positions is None and torch.equal(plain.k, layer.k)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "random_prune", "h2o", "streamingllm"])
+def test_matched_memory_holds_the_bytes_at_the_end_of_a_scored_window(name):
+    """A perplexity window (prefill, then every continuation token stored one at a time) ends with
+    the eviction cache at most the matched cache's bytes and less than one kept token per layer
+    below them, decoded tokens included; a generation that stops before it planned misses, and
+    the run says so with the numbers."""
+    from tiny_archs import VOCAB, loaded, tiny_model
+
+    model, shape = tiny_model("llama")
+    gen = torch.Generator().manual_seed(0)
+    ctx, cont = (
+        torch.randint(0, VOCAB, (1, 192), generator=gen),
+        torch.randint(0, VOCAB, (1, 48), generator=gen),
+    )
+    matched = {"name": "kivi", "bits": 2}
+    lm = loaded(model, shape)
+    ref = lm.runner(build_method(matched))
+    ref_cache = {}
+    ref.method.end_request = lambda cache: ref_cache.setdefault("c", cache)
+    ref.score(ctx, cont)
+    method = build_method({"name": name, "matched_memory": matched})
+    runner = lm.runner(method)
+    mine = {}
+    method_end = method.end_request
+    method.end_request = lambda cache: (mine.setdefault("c", cache), method_end(cache))
+    runner.score(ctx, cont)
+    for layer, theirs in zip(mine["c"].layers, ref_cache["c"].layers, strict=True):
+        gap = layer_bytes(theirs) - layer_bytes(layer)
+        assert 0 <= gap < layer.bytes_per_token(), (layer.layer_idx, gap)
+        if not layer.evicts_in_decode:
+            assert layer.kept == layer.budget + cont.shape[1]
+    assert method.run_warnings() == {} and method.requests == 1
+    # every token a stop token: nothing is decoded of the 16 planned
+    runner.generate(ctx, 17, stop_token_ids=tuple(range(VOCAB)))
+    warning = method.run_warnings()["matched_memory_gap"]
+    assert "1 of 2 requests" in warning and "effective bits against" in warning

@@ -40,6 +40,18 @@ def test_high_fraction_is_the_linear_interpolation():
         high_fraction(2.6, 5, 6)
 
 
+@pytest.mark.parametrize("bits, p", [(2.585, 1.0), (2.322, None), (2.58, None), (2.3219, 0.0)])
+def test_grid_ends_accept_the_spelling_every_bit_width_accepts(bits, p):
+    """``bits=2.585`` names log2 6 for SemKV as for uniform: the same 0.005 tolerance at each end."""
+    assert method(bits=2.585).config.high_fraction == 1.0
+    assert build_method({"name": "uniform", "bits": bits}).config.levels() in (5, 6)
+    got = method(target_bits=bits).config.high_fraction
+    assert got == pytest.approx((bits - B5) / (B6 - B5) if p is None else p)
+    for outside in (2.591, 2.316):
+        with pytest.raises(ConfigError, match="within 0.005"):
+            method(target_bits=outside)
+
+
 def test_carried_remainder_keeps_every_prefix_at_round_p_n():
     alloc = RunningAllocator(P)
     units, total, high = [300, 64, 64, 64, 17, 64, 1, 64], 0, 0
@@ -374,3 +386,39 @@ def test_bad_config_names_the_key():
         method(group_size=5).config.check_model(ModelShape(1, 2, 2, 16))
     assert method(bits=2.5).config.target_bits == 2.5
     assert method().config.target_bits == 2.39 and method().label() == "semkv-2.39b-L5-6-key_norm"
+
+
+@pytest.mark.parametrize("arch, pairs", [("llama-hd256", 2), ("llama", 1)])
+def test_default_grouping_is_the_papers_128_channels(arch, pairs):
+    """On a head_dim-256 model the default holds two scale/zero pairs per token and head (128
+    channels each, the paper's accounting), not one over the whole head, and reconstructs the
+    model's own keys better than one group of 256; on a 64-wide head it is the whole head."""
+    from tiny_archs import VOCAB, tiny_model
+
+    model, shape = tiny_model(arch)
+    prompt = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(0))
+    keys = {}
+    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(
+        lambda mod, args, out: keys.setdefault("k", out)
+    )
+    with torch.no_grad():
+        model(input_ids=prompt)
+    hook.remove()
+    b, t, _ = keys["k"].shape
+    k = keys["k"].reshape(b, t, shape.num_kv_heads, shape.head_dim).transpose(1, 2).contiguous()
+    v = torch.randn_like(k)
+
+    def error(**node):
+        layer = layer_of(method(**node), shape)
+        layer.update(k, v)
+        high, low = layer.stores["k"]
+        assert high.scale.shape[-1] == low.scale.shape[-1] == (pairs if not node else 1)
+        rk, _ = layer.read()
+        return ((rk - k).norm() / k.norm()).item()
+
+    default = error()
+    whole = error(group_size=shape.head_dim)
+    if pairs == 1:
+        assert default == whole
+    else:
+        assert default < whole  # each half-head range lies within the whole head's
