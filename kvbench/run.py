@@ -450,7 +450,9 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
         try:
             _run_samples(bar, done, folder, task, runner, method, model_cfg, run_cfg)
         except KeyboardInterrupt as err:
-            finished_rows = sum(s["id"] in done for s in samples)
+            # what is on disk: the signal may land between a row's append and its entry in `done`
+            stored = {row.get("id") for row in folder.rows()} | set(done)
+            finished_rows = sum(s["id"] in stored for s in samples)
             raise Interrupted(finished_rows, len(samples), isinstance(err, Terminated)) from None
         # the rows in the task's order, whatever order they were appended in
         rows = [done[s["id"]] for s in samples if s["id"] in done]

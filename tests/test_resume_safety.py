@@ -165,7 +165,15 @@ def _cli_args(tmp_path, data_root) -> list[str]:
 
 def _signalled(args: list[str], runs: Path, signum: int) -> tuple[subprocess.Popen, str, Path]:
     """Start ``args``, send ``signum`` once a sample row is stored; (process, stderr, run folder)."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default in the child, as from a terminal: a pytest-xdist worker ignores it,
+    # and a Python started with SIGINT ignored never raises KeyboardInterrupt
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         samples = list(runs.rglob("samples.jsonl"))
