@@ -15,7 +15,11 @@ Appends run inside every decode step, so they avoid making the host wait for the
 codebook, its decision boundaries and fixed ranges are kept in float32 per device (built once, not
 converted at every append), and per-token outliers, a fixed count per vector, are laid out from their
 top-k indices (no mask read back). Threshold outliers (fixed ranges: keys) are as many as the data
-say, so their count must come to the host: one ``nonzero`` per append, the one sync left here.
+say, so in torch their count must come to the host: one ``nonzero`` per append. On the CPU (backend
+``auto``) the whole append is one compiled call (``dense_sparse_quantize_pack`` in
+``kvbench/kernels/cpu/attention.cpp``, bit-identical to the torch path): the codes, the ranges and
+the outlier entries come out together and nothing is read back; on a GPU the torch path keeps its
+``nonzero``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from kvbench.cache.growable import GrowableTokens
+from kvbench.kernels.cpu import cpu_kernels
 from kvbench.quant.blockwise import CodebookSource
 from kvbench.quant.nuq import (
     key_outliers,
@@ -33,11 +38,12 @@ from kvbench.quant.nuq import (
     midpoints,
     nearest_code,
     normalize,
+    outlier_count,
     scale_zero,
     topk_outlier_mask,
     topk_outliers,
 )
-from kvbench.quant.packing import pack, unpack
+from kvbench.quant.packing import chunk_layout, pack, unpack
 
 
 class _Tables(NamedTuple):
@@ -49,10 +55,13 @@ class _Tables(NamedTuple):
 class DenseSparseTokens:
     """Codebook codes of ``[B, H_kv, T, D]`` plus sparse fp16 outliers. ``channel_range`` (fp16
     ``(scale, zero)`` of shape ``[H_kv, D]``) selects per-channel fixed ranges; ``None`` per-token
-    online ranges."""
+    online ranges. ``backend``: ``auto`` appends through the compiled CPU kernel where it built,
+    ``torch`` always through the reference."""
 
-    def __init__(self, levels: int, codebook: torch.Tensor, fraction: float, channel_range=None):
-        self.levels, self.fraction = levels, fraction
+    def __init__(
+        self, levels: int, codebook: torch.Tensor, fraction: float, channel_range=None, backend: str = "auto"
+    ):
+        self.levels, self.fraction, self.backend = levels, fraction, backend
         self.codebook = codebook.half()  # what is held
         self.channel_range = channel_range
         self._codes = GrowableTokens(torch.uint8)
@@ -83,6 +92,9 @@ class DenseSparseTokens:
         b, h, t, d = x.shape
         self.shape = (b, h, d)
         tables = self.tables(x.device)
+        if self._compiled_append(x, tables):
+            self.num_tokens += t
+            return
         top = None
         if tables.channel_range is not None:
             scale, zero = tables.channel_range
@@ -105,6 +117,30 @@ class DenseSparseTokens:
             order = torch.sort(it, stable=True).indices  # token order, so that reads find a range
             self._append_sparse(it[order], ((ib * h + ih) * d + id_)[order], vals[order])
         self.num_tokens += t
+
+    def _compiled_append(self, x: torch.Tensor, tables: _Tables) -> bool:
+        """The append as one compiled call on the CPU; False where it does not run (another backend
+        or device, or no compiled kernels)."""
+        if self.backend != "auto" or x.device.type != "cpu":
+            return False
+        module = cpu_kernels()
+        if module is None:
+            return False
+        c, m = chunk_layout(self.levels)
+        fixed = tables.channel_range
+        k = 0 if fixed is not None else outlier_count(x.shape[-1], self.fraction)
+        packed, scale, zero, rows, cols, vals = module.dense_sparse_quantize_pack(
+            x, tables.midpoints, self.levels, c, m, k,
+            None if fixed is None else fixed[0], None if fixed is None else fixed[1],
+            fixed is not None and self.fraction > 0,
+        )  # fmt: skip
+        if fixed is None:
+            self._scale.append(scale)
+            self._zero.append(zero)
+        self._codes.append(packed)
+        if fixed is None and k or fixed is not None and self.fraction > 0:
+            self._append_sparse(rows, cols, vals)
+        return True
 
     @staticmethod
     def _topk_entries(x: torch.Tensor, top: torch.Tensor):

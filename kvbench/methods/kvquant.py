@@ -41,8 +41,9 @@ Reconstruction: ``x_hat = c[q] * scale + zero`` with outliers overwritten by the
 Held per layer (``held_tensors``): ``codes`` (packed codebook indices of every key and value
 element, :mod:`kvbench.quant.packing`), ``scales``/``zeros`` (fp16: per token for values, per
 (head, channel) for keys), ``codebook`` (fp16 signposts, ``nuq`` only), ``sparse`` (outliers:
-int32 token index, int16 (or int32) index of (batch, head, channel), fp16 value). Only the torch
-backend exists.
+int32 token index, int16 (or int32) index of (batch, head, channel), fp16 value). Backend ``auto``
+(default) appends and reads through the compiled CPU kernels where they built (bit-identical
+appends; reads equal to float rounding), ``torch`` through the reference only.
 """
 
 from __future__ import annotations
@@ -182,8 +183,11 @@ class KVQuantLayer(KVLayer):
             )
             self.calibration = cal
         f = self.cfg.outlier_fraction
-        self.kq = DenseSparseTokens(self.k_levels, cal.key_codebook, f, (cal.key_scale, cal.key_zero))
-        self.vq = DenseSparseTokens(self.v_levels, cal.value_codebook, f)
+        backend = self.cfg.backend
+        self.kq = DenseSparseTokens(
+            self.k_levels, cal.key_codebook, f, (cal.key_scale, cal.key_zero), backend=backend
+        )
+        self.vq = DenseSparseTokens(self.v_levels, cal.value_codebook, f, backend=backend)
 
     def append(self, keys, values):
         k = keys.float()

@@ -36,6 +36,9 @@ stay 0), then reconstructs each row's prefixes at their bin centres
 reference computes from the full codes. As plain torch it still loads each plane's bytes of the
 block before masking them; the counter above is what a reader that skips the unneeded planes
 moves, and the tests flip every bit of the unneeded planes to check that the output does not move.
+On the CPU (backend ``auto``) the read is three compiled calls instead (allocation, key scores,
+value mix: :func:`compiled_query_adaptive_attention`, ``kvbench/kernels/cpu/planes.cpp``) that load
+only the planes a row's prefix needs, so a read of p bits per entry moves about p bits.
 
 Streaming: new tokens join a full-precision buffer (``fp_dtype``); whenever it holds at least
 R + G tokens (R = ``residual``, default 0, as the paper's abstract names no window), its oldest G
@@ -81,6 +84,8 @@ from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens
 from kvbench.cache.masks import grouped_additive_mask
 from kvbench.config import require
+from kvbench.kernels.cpu import note_backend
+from kvbench.kernels.cpu.parts import read_kernels
 from kvbench.methods.affine_base import FullPrecisionWindow
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
 from kvbench.quant.blockwise import configured_block_size
@@ -99,6 +104,7 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
     residual: int = 0
     key_share: float = 0.5
 
+    # auto: the compiled plane kernels on the CPU where they built (kvbench/kernels/cpu/planes.cpp)
     backends: ClassVar[tuple[str, ...]] = ("torch",)
     # 2: codes stored as bit planes (same values and attention, other bytes)
     version: ClassVar[int] = 2
@@ -350,6 +356,49 @@ def blockwise_query_adaptive_attention(
     return out, pk, pv
 
 
+def compiled_query_adaptive_attention(
+    kernels,
+    query: torch.Tensor,
+    keys: PlaneStore,
+    values: PlaneStore,
+    bits: int,
+    key_budget: int,
+    value_budget: int,
+    scaling: float,
+    exact_k: torch.Tensor | None = None,
+    exact_v: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`blockwise_query_adaptive_attention` through the compiled CPU kernels
+    (``kvbench/kernels/cpu/planes.cpp``): the allocation, the key scores and the value mix are one
+    call each over the whole store, reading only the planes some row's prefix needs, so the ops of a
+    read do not grow with the context. Same results up to float reassociation, and to the order in
+    which gains tied at the budget's threshold are taken (lowest item first here)."""
+    q = query.float().contiguous()
+    tq = keys.num_tokens
+    rms_k = kernels.plane_rms(keys.scale, -2)  # [B, H, D]
+    pk = kernels.allocate_prefix(q.abs() * rms_k[:, :, None, :], bits, key_budget)
+    logits = kernels.plane_key_scores(q, keys.planes, keys.scale, keys.zero, pk, bits, keys.group, scaling)
+    if exact_k is not None and exact_k.shape[-2]:
+        logits = torch.cat([logits, q @ exact_k.float().transpose(-1, -2) * scaling], dim=-1)
+    if mask is not None:
+        logits = logits + mask
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    p = torch.exp(logits - top)
+    a = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    a_stored = a[..., :tq]
+    rho_v = kernels.plane_rms(values.scale, -1)  # [B, H, T]
+    pv = kernels.allocate_prefix(a_stored * rho_v[:, :, None, :], bits, value_budget)
+    out = kernels.plane_value_mix(
+        a_stored, values.planes, values.scale, values.zero, pv, bits, values.group, values.head_dim
+    )
+    if exact_v is not None and exact_v.shape[-2]:
+        out = out + a[..., tq:] @ exact_v.float()
+    note_backend("compiled")
+    return out, pk, pv
+
+
 def planes_moved(keys: PlaneStore, values: PlaneStore, pk: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
     """Code bytes a prefix reader of the planes moves for one read (module docstring), as a device
     int64 scalar: per (sequence, kv head) the planes some query head needs, key plane j of channel c
@@ -417,9 +466,15 @@ class ReadKVLayer(CompositeLayer):
         mask = grouped_additive_mask(attention_mask, b, hk, rep, q_len, kv_len, query.device)
         kb, vb = budgets(self.read_bits, self.key_share, d, tq)
         scaling = kwargs.get("scaling") or module.scaling
-        out, pk, pv = blockwise_query_adaptive_attention(
-            qf, kc, vc, self.bits, kb, vb, scaling, exact_k, exact_v, mask, configured_block_size()
-        )
+        reader = read_kernels(self.read_backend, query.device)
+        if reader is not None:
+            out, pk, pv = compiled_query_adaptive_attention(
+                reader.k, qf, kc, vc, self.bits, kb, vb, scaling, exact_k, exact_v, mask
+            )
+        else:
+            out, pk, pv = blockwise_query_adaptive_attention(
+                qf, kc, vc, self.bits, kb, vb, scaling, exact_k, exact_v, mask, configured_block_size()
+            )
         # every row of pk / pv spends exactly min(budget, items * bits) bits
         # (allocate_prefix_bits), so the tally is known on the host: summing the allocations
         # would make the host wait for the device at every layer of every step

@@ -33,18 +33,20 @@ def outlier_count(n: int, fraction: float) -> int:
 
 def topk_outliers(x: torch.Tensor, fraction: float) -> torch.Tensor | None:
     """Channel indices ``[..., k]`` (ascending) of the ``k = outlier_count(D, fraction)``
-    largest-magnitude elements of each vector along the last axis (ties broken by ``torch.topk``);
-    None when k is 0. A fixed count per vector, so the outliers' places are known without reading
-    the mask back."""
+    largest-magnitude elements of each vector along the last axis, ties at the k-th magnitude going
+    to the lowest channel (a stable sort: ``torch.topk`` leaves the choice to its implementation,
+    which differs between sizes and backends); None when k is 0. A fixed count per vector, so the
+    outliers' places are known without reading the mask back."""
     k = outlier_count(x.shape[-1], fraction)
     if not k:
         return None
-    return x.float().abs().topk(k, dim=-1).indices.sort(dim=-1).values
+    order = x.float().abs().sort(dim=-1, descending=True, stable=True).indices
+    return order[..., :k].sort(dim=-1).values
 
 
 def topk_outlier_mask(x: torch.Tensor, fraction: float, idx: torch.Tensor | None = None) -> torch.Tensor:
     """bool mask of the ``outlier_count(D, fraction)`` largest-magnitude elements of each vector
-    along the last axis (ties broken by ``torch.topk``); ``idx``: their :func:`topk_outliers`,
+    along the last axis (ties to the lowest channel); ``idx``: their :func:`topk_outliers`,
     when already at hand."""
     mask = torch.zeros_like(x, dtype=torch.bool)
     idx = topk_outliers(x, fraction) if idx is None else idx

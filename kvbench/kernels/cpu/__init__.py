@@ -1,9 +1,10 @@
 """The compiled CPU backend: C++/OpenMP kernels (``attention.cpp``) that read kvbench's stored
 formats in one call per stored part, built on first use and cached.
 
-The extension is compiled with ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are
-needed) into ``<cache_dir>/kernels/cpu-<hash>/``, where ``cache_dir`` is kvbench's cache root
-(``$KVBENCH_CACHE_DIR``, else ``~/.cache/kvbench``) and the hash covers the source, the torch and
+The extension (``attention.cpp``, and ``planes.cpp`` for ReadKV's bit planes) is compiled with
+``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed) into
+``<cache_dir>/kernels/cpu-<hash>/``, where ``cache_dir`` is kvbench's cache root
+(``$KVBENCH_CACHE_DIR``, else ``~/.cache/kvbench``) and the hash covers the sources, the torch and
 Python versions and the instruction-set flags, so a changed source or another machine's CPU builds
 afresh and a cached build is loaded in well under a second. While it builds, one line says so.
 
@@ -28,7 +29,7 @@ import torch
 from kvbench import atomic
 from kvbench.paths import cache_dir
 
-SOURCE = Path(__file__).with_name("attention.cpp")
+SOURCES = (Path(__file__).with_name("attention.cpp"), Path(__file__).with_name("planes.cpp"))
 
 _state: dict = {"module": None, "tried": False, "error": None, "used": set()}
 
@@ -51,7 +52,7 @@ def isa_flags() -> list[str]:
 def build_dir() -> Path:
     """Where this source, toolchain and CPU's build lives."""
     flags = isa_flags()
-    key = "\n".join([SOURCE.read_text(), torch.__version__, platform.python_version(), *flags])
+    key = "\n".join([*(s.read_text() for s in SOURCES), torch.__version__, platform.python_version(), *flags])
     return cache_dir() / "kernels" / f"cpu-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -70,13 +71,16 @@ def _build() -> ModuleType:
     # Compiled from a copy inside the build folder: the folder is keyed by the source's content,
     # and two checkouts with the same source would otherwise rebuild each other's build (ninja
     # records the source's path).
-    source = where / SOURCE.name
-    if not source.is_file() or source.read_bytes() != SOURCE.read_bytes():
-        atomic.write_bytes(source, SOURCE.read_bytes())  # several processes may start at once
+    copies = []
+    for original in SOURCES:
+        copy = where / original.name
+        if not copy.is_file() or copy.read_bytes() != original.read_bytes():
+            atomic.write_bytes(copy, original.read_bytes())  # several processes may start at once
+        copies.append(str(copy))
     _clear_stale_lock(where)
     return load(
         name=name,
-        sources=[str(source)],
+        sources=copies,
         build_directory=str(where),
         extra_cflags=["-O3", "-fopenmp", *isa_flags()],
         extra_ldflags=["-fopenmp"],

@@ -19,6 +19,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -1350,6 +1351,133 @@ std::vector<at::Tensor> token_quantize_pack(const at::Tensor& x, int64_t levels,
   return {packed, scale.to(kept), zero.to(kept)};
 }
 
+// KVQuant's dense-and-sparse append (kvbench.cache.dense_sparse.DenseSparseTokens.append on float32
+// x [B, H_kv, T, D]), bit-identical to its torch reference and without reading a count back:
+//   online ranges (values): the k = `topk` largest-magnitude entries of each token are outliers
+//     (ties at the k-th magnitude to the lowest channel), [lo, hi] the min/max of the others
+//     (0 if none), scale = fp16((hi - lo) / 2), zero = fp16((hi + lo) / 2);
+//   fixed ranges (keys: `channel_scale` / `channel_zero`, float32 [1, H_kv, 1, D]): an entry with
+//     |x - zero| > scale is an outlier when `thresholds`;
+//   every entry: y = clamp((x - zero) / scale, -1, 1) (0 where scale = 0), code = the number of
+//     decision boundaries `mid` below y, packed as kvbench.quant.packing.pack.
+// Returns packed codes, the per-token fp16 scale and zero ([B, H_kv, T, 1], empty for fixed
+// ranges), and the outliers in token, batch, head, channel order: token index (int64), flat column
+// (b H_kv + h) D + d (int64) and exact value (float32).
+std::vector<at::Tensor> dense_sparse_quantize_pack(const at::Tensor& x, const at::Tensor& mid, int64_t levels,
+                                                   int64_t chunk_codes, int64_t chunk_bytes, int64_t topk,
+                                                   const c10::optional<at::Tensor>& channel_scale,
+                                                   const c10::optional<at::Tensor>& channel_zero, bool thresholds) {
+  TORCH_CHECK(x.dim() == 4 && x.device().is_cpu() && x.scalar_type() == at::kFloat,
+              "x must be a float32 CPU [B, H_kv, T, D] tensor");
+  TORCH_CHECK(levels >= 2 && levels <= 256 && mid.numel() == levels - 1, "mid must hold levels - 1 boundaries");
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  const bool fixed = channel_scale.has_value();
+  TORCH_CHECK(fixed == channel_zero.has_value(), "channel_scale and channel_zero go together");
+  TORCH_CHECK(topk >= 0 && topk <= D, "topk must be in 0..D");
+  auto xc = x.contiguous();
+  auto bounds = mid.to(at::kFloat).contiguous();
+  at::Tensor cs, cz;
+  if (fixed) {
+    cs = channel_scale->to(at::kFloat).expand({1, H, 1, D}).contiguous();
+    cz = channel_zero->to(at::kFloat).expand({1, H, 1, D}).contiguous();
+  }
+  const int64_t chunks = (D + chunk_codes - 1) / chunk_codes;
+  auto packed = at::zeros({B, H, T, chunks * chunk_bytes}, x.options().dtype(at::kByte));
+  auto scale = at::empty({fixed ? 0 : B, H, fixed ? 0 : T, 1}, x.options().dtype(at::kHalf));
+  auto zero = at::empty({fixed ? 0 : B, H, fixed ? 0 : T, 1}, x.options().dtype(at::kHalf));
+  const float* xp = xc.data_ptr<float>();
+  const float* mp = bounds.data_ptr<float>();
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  const int64_t nmid = levels - 1;
+  // per row (b, h, t): the outlier channels, ascending
+  std::vector<std::vector<int32_t>> outliers(B * H * T);
+  at::parallel_for(0, B * H * T, 16, [&](int64_t lo_row, int64_t hi_row) {
+    std::vector<uint8_t> codes(chunks * chunk_codes);
+    std::vector<int32_t> order(D);
+    std::vector<char> is_out(D);
+    for (int64_t r = lo_row; r < hi_row; ++r) {
+      const float* xr = xp + r * D;
+      const int64_t h = (r / T) % H;
+      std::vector<int32_t>& out_r = outliers[r];
+      std::fill(is_out.begin(), is_out.end(), 0);
+      const float* sr = fixed ? cs.data_ptr<float>() + h * D : nullptr;
+      const float* zr = fixed ? cz.data_ptr<float>() + h * D : nullptr;
+      float s_tok = 0.f, z_tok = 0.f;
+      if (fixed) {
+        if (thresholds)
+          for (int64_t d = 0; d < D; ++d)
+            if (std::fabs(xr[d] - zr[d]) > sr[d]) {
+              is_out[d] = 1;
+              out_r.push_back(static_cast<int32_t>(d));
+            }
+      } else {
+        if (topk > 0) {
+          for (int64_t d = 0; d < D; ++d) order[d] = static_cast<int32_t>(d);
+          std::partial_sort(order.begin(), order.begin() + topk, order.end(), [&](int32_t a, int32_t b) {
+            const float fa = std::fabs(xr[a]), fb = std::fabs(xr[b]);
+            return fa > fb || (fa == fb && a < b);
+          });
+          for (int64_t i = 0; i < topk; ++i) is_out[order[i]] = 1;
+          for (int64_t d = 0; d < D; ++d)
+            if (is_out[d]) out_r.push_back(static_cast<int32_t>(d));
+        }
+        float lo = INFINITY, hi = -INFINITY;
+        for (int64_t d = 0; d < D; ++d)
+          if (!is_out[d]) {
+            lo = std::min(lo, xr[d]);
+            hi = std::max(hi, xr[d]);
+          }
+        if (!std::isfinite(lo)) lo = 0.f;
+        if (!std::isfinite(hi)) hi = 0.f;
+        const c10::Half sh((hi - lo) / 2.f), zh((hi + lo) / 2.f);
+        scale.data_ptr<c10::Half>()[r] = sh;
+        zero.data_ptr<c10::Half>()[r] = zh;
+        s_tok = static_cast<float>(sh);
+        z_tok = static_cast<float>(zh);
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        const float s = fixed ? sr[d] : s_tok, z = fixed ? zr[d] : z_tok;
+        float y = s == 0.f ? 0.f : (xr[d] - z) / s;
+        y = std::min(std::max(y, -1.f), 1.f);
+        int64_t c = 0;
+        while (c < nmid && mp[c] < y) ++c;  // boundaries ascending: bucketize, ties to the lower code
+        codes[d] = static_cast<uint8_t>(c);
+      }
+      for (int64_t d = D; d < chunks * chunk_codes; ++d) codes[d] = 0;
+      uint8_t* out = pp + r * chunks * chunk_bytes;
+      for (int64_t j = 0; j < chunks; ++j) {
+        uint64_t word = 0, weight = 1;
+        for (int64_t i = 0; i < chunk_codes; ++i, weight *= static_cast<uint64_t>(levels))
+          word += codes[j * chunk_codes + i] * weight;
+        for (int64_t k = 0; k < chunk_bytes; ++k) out[j * chunk_bytes + k] = static_cast<uint8_t>(word >> (8 * k));
+      }
+    }
+  });
+  // entries in token order, then batch, head, channel
+  int64_t n = 0;
+  for (const auto& o : outliers) n += static_cast<int64_t>(o.size());
+  auto rows = at::empty({n}, x.options().dtype(at::kLong));
+  auto cols = at::empty({n}, x.options().dtype(at::kLong));
+  auto vals = at::empty({n}, x.options().dtype(at::kFloat));
+  int64_t* rp = rows.data_ptr<int64_t>();
+  int64_t* cp = cols.data_ptr<int64_t>();
+  float* vp = vals.data_ptr<float>();
+  int64_t i = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t r = bh * T + t;
+      for (int32_t d : outliers[r]) {
+        rp[i] = t;
+        cp[i] = bh * D + d;
+        vp[i] = xp[r * D + d];
+        ++i;
+      }
+    }
+  return {packed, scale, zero, rows, cols, vals};
+}
+
+void register_plane_kernels(pybind11::module& m);  // planes.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp_scores", &fp_scores, "query [B,H,M,D] . full-precision keys [B,H,T,D] -> [B,H,M,T]");
   m.def("fp_mix", &fp_mix, "weights [B,H,M,T] x full-precision values [B,H,T,D] -> [B,H,M,D]");
@@ -1362,4 +1490,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("outlier_scores", &outlier_scores, "adds q . (exact - reconstructed) at sparse outliers, in place");
   m.def("outlier_mix", &outlier_mix, "adds p (exact - reconstructed) at sparse outliers, in place");
   m.def("token_quantize_pack", &token_quantize_pack, "per-token affine codes of new tokens, packed");
+  m.def("dense_sparse_quantize_pack", &dense_sparse_quantize_pack,
+        "KVQuant's append: codebook codes of new tokens, packed, and their sparse outliers");
+  register_plane_kernels(m);
 }
