@@ -14,7 +14,12 @@ its claims in the claims register (``results/claims/<model>.md``). The file's ke
 - ``notes`` (optional): one-line notes for tables of the paper that no node reproduces;
 - ``tables`` (optional): the paper's tables, each a layout (below);
 - ``claims`` (optional): the paper's claims, each a mapping in the schema of
-  :mod:`kvbench.analysis.claims` (without ``paper``: the file says it).
+  :mod:`kvbench.analysis.claims` (without ``paper``: the file says it). Their provenance: ``quote``
+  is the source document's own words (mostly Chinese summaries), ``where`` names only the
+  sections, tables and figures the document names (else ``summary``), ``published`` gives its
+  numbers as it gives them; ``scripts/check_claim_sources.py`` checks all three against the
+  ``source`` document and records what it matched in ``tests/fixtures/claim_sources.json``, which
+  a test holds the files to. Margins are in the metric's units.
 
 A table (``Layout``) is the paper's rows and columns (``Entry``), the experiment node its cells come
 from, and the paper's published value for the cells where the paper gives one, with the table or
