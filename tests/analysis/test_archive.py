@@ -85,7 +85,7 @@ def test_a_tampered_archive_is_refused(runs, tmp_path):
         read_archive(path.parent)
 
 
-def _claims_file(tmp_path):
+def _paper_files(tmp_path):
     arms = {
         "chan": {"method": "kivi", "bits": 2, "config": {"key_axis": "channel"}},
         "fp16": {"method": "fp16"},
@@ -125,7 +125,7 @@ def _outputs(folder):
 def test_results_from_the_archive_match_results_from_the_runs(runs, tmp_path):
     """What `make results` rebuilds from the archives is what the run folders give directly:
     markdown and CSV byte for byte, figures pixel for pixel."""
-    claims = _claims_file(tmp_path)
+    claims = _paper_files(tmp_path)
     kwargs = {"declarations": claims, "n_resamples": 200, "conf_dir": None, "say": lambda *_: None}
     direct = tmp_path / "direct"
     report.regenerate(frames_from_runs(runs), direct, **kwargs)
@@ -164,7 +164,7 @@ def test_cli_archive_then_regenerate(runs, tmp_path, capsys):
     results = tmp_path / "results"
     assert report.main(["--archive", str(runs), "--results", str(results)]) == 0
     assert "samples.csv.gz" in capsys.readouterr().out
-    claims = _claims_file(tmp_path)
+    claims = _paper_files(tmp_path)
     # claims on synthetic experiments: the node check would refuse synthetic_cliff, so the
     # regenerate path is driven through the function with conf_dir=None in the test above; here the
     # command must fail with one line naming the missing node.
