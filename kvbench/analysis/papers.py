@@ -477,7 +477,7 @@ class _Reader:
 
     def mapping(self, key: str, value: Any, allowed: Sequence[str], required: Sequence[str] = ()) -> dict:
         if not isinstance(value, dict):
-            self.fail(key, value, f"must be a mapping with the keys {', '.join(allowed)}")
+            self.fail(key or "(file)", value, f"must be a mapping with the keys {', '.join(allowed)}")
         for name in value:
             if name not in allowed:
                 self.fail(
