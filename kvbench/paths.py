@@ -3,14 +3,17 @@
 - :data:`CONF_DIR`: the Hydra config tree (model, task, method, experiment, logger and launcher
   nodes) ships inside the package as ``kvbench/conf``, so an installed kvbench (``pip install .``,
   editable or not) composes the same configs as a checkout, from any working directory.
-- :func:`default_results`: the results folder that holds what is committed (``claims.yaml``, the
-  per-experiment archives ``<experiment>/samples.csv.gz``) and where ``kvbench.report`` writes its
-  tables. The rule: when kvbench is imported from a source checkout (the package folder sits next
-  to a ``pyproject.toml`` and a ``results/`` folder), the checkout's ``results/``, wherever the
-  command runs; otherwise ``results/`` under the current directory, which for an installed package
-  is the user's own folder: give ``--results DIR`` (a checkout's ``results/``) to read the
-  committed claims and archives from elsewhere. What runs write (``output.root``, default
-  ``results/runs``) is relative to the current directory either way.
+- :data:`PAPERS_DIR`: the seed papers, one ``<paper>.yaml`` each (identity, tables, claims;
+  ``kvbench.analysis.papers``), also inside the package: they are declarations, like the nodes,
+  and an installed kvbench renders the same pages from them.
+- :func:`default_results`: the results folder that holds what is committed (the per-experiment
+  archives ``<experiment>/samples.csv.gz``) and where ``kvbench.report`` writes its tables. The
+  rule: when kvbench is imported from a source checkout (the package folder sits next to a
+  ``pyproject.toml`` and a ``results/`` folder), the checkout's ``results/``, wherever the command
+  runs; otherwise ``results/`` under the current directory, which for an installed package is the
+  user's own folder: give ``--results DIR`` (a checkout's ``results/``) to read the committed
+  archives from elsewhere. What runs write (``output.root``, default ``results/runs``) is
+  relative to the current directory either way.
 - :func:`safe_component`, :func:`check_inside`, :func:`check_writable_folder`: the checks every
   folder kvbench writes passes (a name that becomes a folder is one safe name; a write lands inside
   the output root, the cache or the folder the user named).
@@ -33,6 +36,7 @@ from kvbench.errors import ConfigError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR / "conf"
+PAPERS_DIR = PACKAGE_DIR / "papers"
 
 
 def source_checkout() -> Path | None:

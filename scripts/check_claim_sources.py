@@ -1,9 +1,9 @@
 """Check every claim's provenance against the source documents and record what matched.
 
-For each claim of ``results/claims.yaml`` (``kvbench.analysis.claims``):
+For each claim of the paper files ``kvbench/papers/<paper>.yaml`` (``kvbench.analysis.papers``):
 
-- ``quote`` (one text or a list) must occur verbatim, up to whitespace, in one document of
-  ``../shared/papers``: that document is the claim's source;
+- ``quote`` (one text or a list) must occur verbatim, up to whitespace, in the paper's ``source``
+  document under ``../shared/papers``;
 - every label of ``where`` (``Fig. 4``, ``Table 2``, ``Sec. 1``, ``Appendix G``, ``Abstract``,
   separated by ``,`` or ``/``) must occur in that document in one of the forms it uses (``图4``,
   ``表6``, ``Figure 2``, ``第4.9节``, a ``## 1`` heading, ``摘要``...); ``where: summary`` names none;
@@ -13,11 +13,11 @@ For each claim of ``results/claims.yaml`` (``kvbench.analysis.claims``):
 
 The matches are written to ``tests/fixtures/claim_sources.json`` (document name, the matched
 sentence or number with a little context); ``tests/analysis/test_claim_sources.py`` holds
-``results/claims.yaml`` to that file, so a claim whose provenance was not checked fails CI. Tests
-never read ``../shared``; this script does, and is rerun whenever a claim's where, published or
-quote changes:
+the paper files to that file, so a claim whose provenance was not checked fails CI. Tests never
+read ``../shared``; this script does, and is rerun whenever a claim's where, published or quote
+changes:
 
-    python scripts/check_claim_sources.py [--papers DIR] [--claims FILE] [--out FILE]
+    python scripts/check_claim_sources.py [--papers DIR] [--declarations DIR] [--out FILE]
 
 Exit status 1, with one line per problem naming the claim and field, when anything does not match.
 """
@@ -31,7 +31,8 @@ import re
 import sys
 from pathlib import Path
 
-import yaml
+from kvbench.analysis.papers import claims_of, load_papers
+from kvbench.paths import PAPERS_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 # the shared data folder (KVBENCH_DATA_DIR, else ../shared beside the checkout)
@@ -79,19 +80,21 @@ def _neighbourhood(text: str, quote: str) -> str:
     return ""
 
 
-def check_claim(claim: dict, documents: dict[str, str]) -> tuple[dict, list[str]]:
-    """The fixture entry of one claim and the problems found (empty when everything matched)."""
+def check_claim(claim: dict, documents: dict[str, str], source: str) -> tuple[dict, list[str]]:
+    """The fixture entry of one claim of the paper whose document is ``source`` and the problems
+    found (empty when everything matched)."""
     cid = claim.get("id", "?")
     problems: list[str] = []
     quotes = claim.get("quote")
     quotes = quotes if isinstance(quotes, list) else [quotes] if quotes else []
     if not quotes:
         return {}, [f"claim {cid!r} field 'quote': missing (the document's own words the claim rests on)"]
-    homes = [name for name, text in documents.items() if all(_squash(q) in _squash(text) for q in quotes)]
-    if not homes:
-        return {}, [f"claim {cid!r} field 'quote': not found verbatim in any of {', '.join(documents)}"]
-    doc = homes[0]
+    if source not in documents:
+        return {}, [f"claim {cid!r}: its paper's source {source!r} is not one of {', '.join(documents)}"]
+    doc = source
     text = documents[doc]
+    if not all(_squash(q) in _squash(text) for q in quotes):
+        return {}, [f"claim {cid!r} field 'quote': not found verbatim in its paper's source {doc}"]
     entry: dict = {
         "id": cid,
         "document": doc,
@@ -139,10 +142,21 @@ def check_claim(claim: dict, documents: dict[str, str]) -> tuple[dict, list[str]
     return entry, problems
 
 
+def declared_claims(declarations: str | Path = PAPERS_DIR) -> list[tuple[dict, str]]:
+    """Each claim's id, quote, where and published, with its paper's source document, in the
+    claims register's order."""
+    papers = load_papers(declarations)
+    source = {p.id: p.source for p in papers}
+    return [
+        ({"id": c.id, "quote": c.quote, "where": c.where, "published": c.published}, source[c.paper])
+        for c in claims_of(papers)
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--papers", default=str(DEFAULT_PAPERS))
-    parser.add_argument("--claims", default=str(REPO / "results" / "claims.yaml"))
+    parser.add_argument("--declarations", default=str(PAPERS_DIR), help="folder of <paper>.yaml files")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     papers = Path(args.papers)
@@ -150,10 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     if not documents:
         print(f"--papers={papers}: no source documents (*.md) there", file=sys.stderr)
         return 2
-    claims = yaml.safe_load(Path(args.claims).read_text())["claims"]
     entries, problems = [], []
-    for claim in claims:
-        entry, found = check_claim(claim, documents)
+    for claim, source in declared_claims(args.declarations):
+        entry, found = check_claim(claim, documents, source)
         problems += found
         if entry:
             entries.append(entry)

@@ -16,6 +16,9 @@ model ``tiny``, 12 samples x 2 seeds = 24 pairs per arm. Per pair ``(i, seed)`` 
   way, the case for the verdicts that need power (inconclusive, no effect at this power).
 
 ``NOISE`` is a fixed draw: N(0, 0.3) with seed 3.
+
+``write_paper`` writes claims (and tables) as a paper file in a folder of their own, the form
+``kvbench.analysis.papers.load_papers`` and ``kvbench.report`` read.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
+from kvbench.paths import PAPERS_DIR
 from kvbench.results import RunFolder, run_id
 
 EXPERIMENT = "semkv_cliff"
@@ -114,3 +119,25 @@ def write_claim_runs(root: str | Path, model: str = "tiny") -> Path:
                 folder.append(row)
             folder.write_metrics({"run_id": rid, "primary_metric": "score", "method": label})
     return root
+
+
+def write_paper(
+    folder: str | Path,
+    claims: list[dict[str, Any]],
+    paper: str = "toy",
+    tables: list[dict[str, Any]] | None = None,
+    order: int = 1,
+) -> Path:
+    """``folder/<paper>.yaml``: a paper file holding ``claims`` and ``tables`` (mappings in the
+    schema of ``kvbench.analysis.papers``); returns ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    doc = {"paper": paper, "title": f"The {paper} paper", "source": f"{paper}.md", "order": order}
+    doc |= {"tables": tables or [], "claims": claims}
+    (folder / f"{paper}.yaml").write_text(yaml.safe_dump(doc, allow_unicode=True, sort_keys=False))
+    return folder
+
+
+def shipped_tables(paper: str) -> list[dict[str, Any]]:
+    """The tables of a shipped paper file, as written there."""
+    return yaml.safe_load((PAPERS_DIR / f"{paper}.yaml").read_text()).get("tables") or []

@@ -77,17 +77,21 @@ def test_bad_dir_is_one_line_exit_2(tmp_path, capsys, kind):
 
 
 def test_results_folder_rule(tmp_path, capsys, monkeypatch):
-    """From a checkout the committed results/ is the default wherever the command runs; the claims
-    file follows --results, so an installed kvbench pointed at a checkout's results/ reads its claims."""
+    """From a checkout the committed results/ is the default wherever the command runs; the papers
+    and their claims ship inside the package, so they do not follow --results; --declarations
+    names another folder of paper files."""
     from kvbench import paths
 
     repo = Path(__file__).resolve().parent.parent
     assert paths.source_checkout() == repo
-    assert report.DEFAULT_RESULTS == repo / "results" and report.DEFAULT_CLAIMS.is_file()
+    assert report.DEFAULT_RESULTS == repo / "results" and (paths.PAPERS_DIR / "kivi.yaml").is_file()
     monkeypatch.chdir(tmp_path)
     assert paths.default_results() == repo / "results"
     other = tmp_path / "elsewhere"
     other.mkdir()
-    assert report.main(["--claims", "--results", str(other)]) == 2
+    assert report.main(["--claims", "--results", str(other), "--declarations", str(other)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"{other / 'claims.yaml'} does not exist" in err[0]
+    assert len(err) == 1 and f"{other}: declarations='{other}': the folder holds no <paper>.yaml" in err[0]
+    assert report.main(["--paper", "gear", "--results", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--paper=gear: no such paper; papers: kivi, intactkv" in err[0]

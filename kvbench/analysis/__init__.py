@@ -3,9 +3,9 @@
 ``load.load_results`` (every stored sample, from the committed archives or run folders alike, one
 typed DataFrame), ``frame.load_frame`` (one row per sample per run folder), ``tables`` (means,
 paired comparisons, cliffs), ``figures`` (cliff map, memory against quality), ``units`` (one
-task/model/experiment with its plan), ``claims`` (the paper-claims register), ``papers`` (each
-paper's own tables, published beside measured); ``niah`` and ``hitrate`` hold the NIAH and hit-rate
-tables and figures.
+task/model/experiment with its plan), ``claims`` (the paper-claims register), ``papers`` (the
+paper files' loader and each paper's own tables, published beside measured); ``niah`` and
+``hitrate`` hold the NIAH and hit-rate tables and figures.
 """
 
 from kvbench.analysis.frame import load_frame

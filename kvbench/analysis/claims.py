@@ -1,9 +1,11 @@
-"""Executable paper claims (``results/claims.yaml``): each claim declares what to compare and a rule;
-the verdict and the measured value are computed from the stored runs, never typed.
+"""Executable paper claims: each claim declares what to compare and a rule; the verdict and the
+measured value are computed from the stored runs, never typed.
 
-Schema: one mapping per claim under the top-level ``claims:`` list.
+Schema: one mapping per claim under the ``claims:`` list of its paper's file
+(``kvbench/papers/<paper>.yaml``, read by :func:`kvbench.analysis.papers.load_papers`, which sets
+the claim's ``paper``; a claim does not name it).
 
-- ``id``: unique, lower-case words joined by ``-``; ``paper``: one of ``PAPERS``;
+- ``id``: unique across the papers, lower-case words joined by ``-``;
 - ``where``, ``statement``: the table/figure/section of the paper and the claim in a sentence or two;
 - ``published``: the paper's value (number or text);
 - ``experiment``: the ``kvbench/conf/experiment`` node whose runs test it (null only with ``untestable``);
@@ -79,11 +81,11 @@ so this only happens with archives older than the node). A claim with several ru
 ``inconclusive``, ``reproduced`` in that order; a failed premise gives ``premise not met here`` and
 a floor ``not testable here`` whatever the rules say.
 
-Checked at declaration (``load_claims`` with ``conf_dir``): every rule can reach ``alpha`` at the
-node's size (``analysis.n`` per seed times its seeds): the exact sign-flip test's smallest p is
-``2 ** -n`` one-sided (two-sided for the cliff's grid points), times the Holm family size (the
-family's better/larger_gain rules; the node's ``analysis.grid`` for a cliff). A rule that cannot
-is a schema error naming the pairs it needs.
+Checked at declaration (``check_claims`` with ``conf_dir``, which the loader calls): every rule
+can reach ``alpha`` at the node's size (``analysis.n`` per seed times its seeds): the exact
+sign-flip test's smallest p is ``2 ** -n`` one-sided (two-sided for the cliff's grid points),
+times the Holm family size (the family's better/larger_gain rules; the node's ``analysis.grid``
+for a cliff). A rule that cannot is a schema error naming the pairs it needs.
 
 Differences are oriented so that positive means the first arm is better (lower is better for
 perplexity and errors, as in ``kvbench.analysis.frame.higher_is_better``); the measured text shows
@@ -122,7 +124,6 @@ from kvbench.stats import (
     tost_equivalence,
 )
 
-PAPERS = ("kivi", "intactkv", "kvquant", "ott", "readkv", "semkv", "specache")
 VERDICTS = (
     "reproduced",
     "evidence against",
@@ -132,7 +133,7 @@ VERDICTS = (
     "not run",
     "not testable here",
 )
-REQUIRED = ("id", "paper", "where", "statement", "published", "experiment")
+REQUIRED = ("id", "where", "statement", "published", "experiment")
 OPTIONAL = (
     "metric",
     "arms",
@@ -172,11 +173,16 @@ _SIGN_FLIP = ("better", "larger_gain")
 
 
 class ClaimsError(ValueError):
-    """A schema violation, naming the claim and the field."""
+    """A schema violation, naming the claim and the field (and, once located, the paper file)."""
 
-    def __init__(self, claim: str, field: str, problem: str):
-        super().__init__(f"claim {claim!r} field {field!r}: {problem}")
-        self.claim, self.field = claim, field
+    def __init__(self, claim: str, field: str, problem: str, file: str | Path | None = None):
+        where = f"{file}: " if file is not None else ""
+        super().__init__(f"{where}claim {claim!r} field {field!r}: {problem}")
+        self.claim, self.field, self.problem, self.file = claim, field, problem, file
+
+    def located(self, file: str | Path) -> ClaimsError:
+        """The same error, naming the file that declares the claim."""
+        return ClaimsError(self.claim, self.field, self.problem, file)
 
 
 @dataclass(frozen=True)
@@ -308,9 +314,10 @@ def _selector(cid: str, name: str, sel: Any) -> dict[str, Any]:
     return dict(sel)
 
 
-def validate(entry: Any, index: int, conf_dir: Path | None = None) -> Claim:
-    """One claim mapping checked against the schema (see the module docstring). With ``conf_dir``
-    (the ``conf`` folder), the experiment node must exist unless ``pending`` says why not."""
+def validate(entry: Any, index: int, conf_dir: Path | None = None, paper: str = "") -> Claim:
+    """One claim mapping of ``paper``'s file checked against the schema (see the module docstring).
+    With ``conf_dir`` (the ``conf`` folder), the experiment node must exist unless ``pending`` says
+    why not."""
     if not isinstance(entry, dict):
         raise ClaimsError(f"#{index}", "(entry)", f"must be a mapping, got {type(entry).__name__}")
     cid = entry.get("id")
@@ -321,14 +328,16 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None) -> Claim:
         raise ClaimsError(
             cid, outputs[0], "is computed from the runs (python -m kvbench.report --claims), not declared"
         )
+    if "paper" in entry:
+        raise ClaimsError(
+            cid, "paper", f"{entry['paper']!r}: the paper file declares its claims; remove the key"
+        )
     missing = [k for k in REQUIRED if k not in entry]
     if missing:
         raise ClaimsError(cid, missing[0], "missing")
     unknown = sorted(set(entry) - set(REQUIRED) - set(OPTIONAL))
     if unknown:
         raise ClaimsError(cid, unknown[0], f"unknown field; allowed: {', '.join(REQUIRED + OPTIONAL)}")
-    if entry["paper"] not in PAPERS:
-        raise ClaimsError(cid, "paper", f"{entry['paper']!r} is not one of {', '.join(PAPERS)}")
     for key in ("where", "statement"):
         _text(cid, entry, key)
     for key in ("metric", "note", "pending", "untestable", "family", "proxy", "task_claim"):
@@ -350,6 +359,7 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None) -> Claim:
             raise ClaimsError(cid, "rule", "an untestable claim declares no rule or arms")
         return Claim(
             **{k: entry.get(k) for k in REQUIRED},
+            paper=paper,
             untestable=untestable,
             quote=entry.get("quote"),
             note=entry.get("note"),
@@ -388,6 +398,7 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None) -> Claim:
             )
     return Claim(
         **{k: entry.get(k) for k in REQUIRED},
+        paper=paper,
         metric=entry.get("metric"),
         arms=arms,
         rules=parsed,
@@ -464,20 +475,9 @@ def _check_attainable(claims: list[Claim], conf_dir: Path) -> None:
                 )
 
 
-def load_claims(
-    path: str | Path, conf_dir: str | Path | None = None, require_all_papers: bool = True
-) -> list[Claim]:
-    """Read and validate a claims file; with ``require_all_papers`` every paper in ``PAPERS`` needs
-    a claim. ``conf_dir``: check that experiment nodes exist (see ``validate``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ClaimsError("(file)", "path", f"{path} does not exist")
-    doc = yaml.safe_load(path.read_text())
-    if not isinstance(doc, dict) or not isinstance(doc.get("claims"), list):
-        raise ClaimsError("(file)", "claims", "the file must hold a top-level 'claims:' list")
-    claims = [
-        validate(entry, i, Path(conf_dir) if conf_dir else None) for i, entry in enumerate(doc["claims"])
-    ]
+def check_claims(claims: list[Claim], conf_dir: str | Path | None = None) -> None:
+    """What no single claim can check: ids unique, each task-level claim declared, and with
+    ``conf_dir`` every rule able to reach its alpha at its node's size (``_check_attainable``)."""
     seen: set[str] = set()
     for claim in claims:
         if claim.id in seen:
@@ -488,12 +488,6 @@ def load_claims(
             raise ClaimsError(claim.id, "task_claim", f"{claim.task_claim!r} is not a declared claim")
     if conf_dir is not None:
         _check_attainable(claims, Path(conf_dir))
-    if require_all_papers:
-        covered = {c.paper for c in claims}
-        for paper in PAPERS:
-            if paper not in covered:
-                raise ClaimsError("(file)", "paper", f"no claim for the seed paper {paper!r}")
-    return claims
 
 
 # ---------------------------------------------------------------------------------- selection

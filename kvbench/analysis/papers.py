@@ -1,23 +1,53 @@
-"""Each seed paper's headline tables in the paper's own layout, measured beside published.
+"""The seed papers as data: one YAML file per paper, read by :func:`load_papers`, and each paper's
+tables rendered in the paper's own layout, measured beside published.
 
-A layout (``Layout``) is data: the paper's rows and columns (``Entry``), the experiment node its
-cells come from, and the paper's published value for the cells where the paper gives one, with the
-table or figure it comes from and the model it was measured on. ``render`` turns a layout and the
-experiments' sample frames into a markdown table whose cells are per-configuration means with
-their bootstrap interval, e.g. ``5.71 [5.60, 5.83]``, each followed, where the paper gives one, by
-the published value in the column beside it. ``python -m kvbench.report --paper NAME`` puts them
-under the paper's claims (``kvbench.report.paper_markdown``).
+A paper is ``kvbench/papers/<paper>.yaml`` (:data:`kvbench.paths.PAPERS_DIR`); adding a paper is
+adding that file: ``python -m kvbench.report`` then writes its page
+(``results/papers/<paper>_<model>.md``), puts its first table in the README's results section and
+its claims in the claims register (``results/claims/<model>.md``). The file's keys:
+
+- ``paper``: its name, the file's stem (lower-case letters, digits, ``_``);
+- ``title``: the page heading (``KIVI (ICML 2024)``); ``source``: the source document under
+  ``../shared/papers`` that its claims quote (``scripts/check_claim_sources.py`` looks there);
+- ``order``: a whole number, the paper's place among the papers (pages, the README's tables);
+  ``claims_order`` (optional, default ``order``): its place in the claims register;
+- ``notes`` (optional): one-line notes for tables of the paper that no node reproduces;
+- ``tables`` (optional): the paper's tables, each a layout (below);
+- ``claims`` (optional): the paper's claims, each a mapping in the schema of
+  :mod:`kvbench.analysis.claims` (without ``paper``: the file says it). Their provenance: ``quote``
+  is the source document's own words (mostly Chinese summaries), ``where`` names only the
+  sections, tables and figures the document names (else ``summary``), ``published`` gives its
+  numbers as it gives them; ``scripts/check_claim_sources.py`` checks all three against the
+  ``source`` document and records what it matched in ``tests/fixtures/claim_sources.json``, which
+  a test holds the files to. Margins are in the metric's units.
+
+A table (``Layout``) is the paper's rows and columns (``Entry``), the experiment node its cells come
+from, and the paper's published value for the cells where the paper gives one, with the table or
+figure it comes from and the model it was measured on. Its keys: ``node``, ``title``, ``where``,
+``rows``, ``columns`` (required); ``published_on`` (the model and data of the published values),
+``note`` (follows the caption), ``corner`` (heads the row labels), ``metric``, ``digits``
+(decimals, default 3) and ``published`` (``{row key: {column key: value}}``). A row or column:
+``key`` (text; what ``published`` refers to), ``label`` (what the table shows) and optionally
+``select`` (an arm selector), ``vars`` (``{name: value}`` for the placeholders), ``metric``,
+``node``, ``digits`` and ``interval`` (false: the mean alone, for accounting columns such as
+effective bits). A file that breaks the schema is refused with one line naming the file, the key,
+the bad value and what is allowed (:class:`PaperError`; a claim's: ``ClaimsError``).
+
+``render`` turns a layout and the experiments' sample frames into a markdown table whose cells are
+per-configuration means with their bootstrap interval, e.g. ``5.71 [5.60, 5.83]``, each followed,
+where the paper gives one, by the published value in the column beside it. ``python -m
+kvbench.report --paper NAME`` puts them under the paper's claims (``kvbench.report.paper_markdown``).
 
 How a cell finds its runs: exactly one of its row and column carries an arm selector in the form
-of ``results/claims.yaml`` (``method``/``label``, ``bits``, ``config``: a subset of the run's
-method node), resolved against the frame by :func:`kvbench.analysis.claims.select`, never by
-folder name. The other axis (and the selector's own axis) may carry ``vars``: a selector value
-written ``"$name"`` takes the value of ``name`` (typed, so ``bits: "$bits"`` compares as a number),
-and ``$name`` inside a longer string is substituted as text (the metric
-``"hit_rates.$policy.$sparsity"``). A selector without a placeholder gives the same configuration
-in every cell of its row (FP16 in a bit-width table). The metric is the column's, else the row's,
-else the layout's, else the node's declared ``analysis.metric``; a dotted path reaches into a dict
-column as in the claims. The node of a cell is the column's, else the row's, else the layout's.
+of the claims' (``method``/``label``, ``bits``, ``config``: a subset of the run's method node),
+resolved against the frame by :func:`kvbench.analysis.claims.select`, never by folder name. The
+other axis (and the selector's own axis) may carry ``vars``: a selector value written ``"$name"``
+takes the value of ``name`` (typed, so ``bits: "$bits"`` compares as a number), and ``$name``
+inside a longer string is substituted as text (the metric ``"hit_rates.$policy.$sparsity"``). A
+selector without a placeholder gives the same configuration in every cell of its row (FP16 in a
+bit-width table). The metric is the column's, else the row's, else the layout's, else the node's
+declared ``analysis.metric``; a dotted path reaches into a dict column as in the claims. The node
+of a cell is the column's, else the row's, else the layout's.
 
 A cell whose selector matches no run shows ``-``; one that matches several configurations shows
 them (the selector needs narrowing). The mean is over every sample and seed of the configuration,
@@ -46,14 +76,31 @@ import pandas as pd
 import yaml
 
 from kvbench.analysis import tables
-from kvbench.analysis.claims import metric_values, select, several_configurations
+from kvbench.analysis.claims import (
+    Claim,
+    ClaimsError,
+    check_claims,
+    metric_values,
+    select,
+    several_configurations,
+    validate,
+)
 from kvbench.analysis.frame import plan_of
-from kvbench.paths import CONF_DIR
+from kvbench.errors import ConfigError
+from kvbench.paths import CONF_DIR, PAPERS_DIR
 from kvbench.stats import bootstrap_ci
 
 
 class LayoutError(ValueError):
     """A layout that cannot resolve a cell (no selector, two selectors, an unknown variable)."""
+
+
+class PaperError(ConfigError):
+    """A paper file that breaks the schema: ``FILE: KEY=VALUE: what is allowed``."""
+
+    def __init__(self, file: str | Path, key: str, value: object, allowed: str):
+        self.file = str(file)
+        super().__init__(f"{file}: {key}", value, allowed)
 
 
 @dataclass(frozen=True)
@@ -98,6 +145,28 @@ class Layout:
         """Every experiment node the layout reads, its own first."""
         others = {e.node for e in (*self.rows, *self.columns) if e.node and e.node != self.node}
         return [self.node, *sorted(others)]
+
+
+@dataclass(frozen=True)
+class Paper:
+    """One paper file: who the paper is (``id``, ``title``, ``source``), where it sits (``order``
+    among the papers, ``claims_order`` in the claims register), its ``tables``, ``claims`` and
+    ``notes``, and the ``file`` it was read from."""
+
+    id: str
+    title: str
+    source: str
+    order: int
+    file: Path
+    claims_order: int | None = None
+    notes: tuple[str, ...] = ()
+    tables: tuple[Layout, ...] = ()
+    claims: tuple[Claim, ...] = ()
+
+    @property
+    def covered_nodes(self) -> set[str]:
+        """Every experiment node the paper's tables read."""
+        return {n for layout in self.tables for n in layout.nodes}
 
 
 @dataclass(frozen=True)
@@ -359,9 +428,6 @@ def render(
     return lines
 
 
-# --------------------------------------------------------------------------------- the layouts
-
-
 def arm(key: str, label: str, selector: Mapping[str, Any], **kw: Any) -> Entry:
     """An entry that selects the arm (see the module docstring)."""
     return Entry(key, label, select=selector, **kw)
@@ -372,509 +438,252 @@ def axis(key: str, label: str, **variables: Any) -> Entry:
     return Entry(key, label, vars=variables)
 
 
-FP16 = arm("fp16", "FP16", {"method": "fp16"})
+# ------------------------------------------------------------------------------------ the files
 
-
-def _bits_columns(bits: Sequence[float], suffix: str = "-bit") -> tuple[Entry, ...]:
-    return tuple(axis(f"{b:g}", f"{b:g}{suffix}", bits=b) for b in bits)
-
-
-_KVQ_FULL = {"pre_rope": True, "datatype": "nuq", "outlier_fraction": 0.01, "sink": True}
-
-
-def _kvquant(key: str, label: str, **changes: Any) -> Entry:
-    return arm(key, label, {"method": "kvquant", "bits": "$bits", "config": {**_KVQ_FULL, **changes}})
-
-
-def _kvquant_columns() -> tuple[Entry, ...]:
-    out: list[Entry] = []
-    for b in (4, 3, 2):
-        out.append(axis(f"{b}", f"{b}-bit ppl", bits=b))
-        out.append(
-            Entry(
-                f"{b}eff",
-                f"{b}-bit eff. bits",
-                vars={"bits": b},
-                metric="effective_bits",
-                digits=2,
-                interval=False,
-            )
-        )
-    return tuple(out)
-
-
-_AXES = (("token", "token"), ("channel", "token"), ("token", "channel"), ("channel", "channel"))
-_SEMKV_GRID = (1, 1.585, 2, 2.322, 2.585, 3, 4)
-_SEMKV_MODEL = "Llama-3.1-8B-Instruct, LongBench (n=900, three seeds)"
-_ACCOUNTING = (
-    Entry("code", "code bits", metric="code_bits", digits=3, interval=False),
-    Entry("eff", "effective bits", metric="effective_bits", digits=3, interval=False),
+PAPER_KEYS = ("paper", "title", "source", "order", "claims_order", "notes", "tables", "claims")
+PAPER_REQUIRED = ("paper", "title", "source", "order")
+TABLE_KEYS = (
+    "node",
+    "title",
+    "where",
+    "rows",
+    "columns",
+    "published_on",
+    "note",
+    "corner",
+    "metric",
+    "digits",
+    "published",
 )
+TABLE_REQUIRED = ("node", "title", "where", "rows", "columns")
+ENTRY_KEYS = ("key", "label", "select", "vars", "metric", "node", "digits", "interval")
+ENTRY_SELECTOR_KEYS = ("label", "method", "bits", "config")
+_NAME = re.compile(r"^[a-z0-9_]+$")
+_MAX_DIGITS = 10
 
-LAYOUTS: dict[str, tuple[Layout, ...]] = {
-    "kivi": (
-        Layout(
-            paper="kivi",
-            node="kivi_gsm8k",
-            title="KIVI: GSM8K accuracy, FP16 against KIVI-4 and KIVI-2",
-            where="KIVI Sec. 4, the LM-Eval table (CoQA / TruthfulQA / GSM8K)",
-            published_on="Llama-2-7B and the other Llama and Mistral models",
-            note="The source document gives KIVI-2's bound against FP16, not the table's cells.",
-            corner="cache",
-            rows=(
-                FP16,
-                arm("kivi4", "KIVI-4 (G=32, R=128)", {"method": "kivi", "bits": 4}),
-                arm("kivi2", "KIVI-2 (G=32, R=128)", {"method": "kivi", "bits": 2}),
-            ),
-            columns=(axis("acc", "GSM8K accuracy"),),
-            published={("kivi2", "acc"): "at most about 2 points below FP16"},
-        ),
-        Layout(
-            paper="kivi",
-            node="kivi_group_ablation",
-            title="KIVI: group size G of KIVI-2 (R=128), GSM8K accuracy",
-            where="KIVI Sec. 4 ablation on GSM8K",
-            published_on="a Llama model the source document does not name",
-            corner="cache",
-            rows=(
-                FP16,
-                *(
-                    arm(
-                        f"g{g}",
-                        f"KIVI-2, G={g}",
-                        {"method": "kivi", "bits": 2, "config": {"group_size": g, "residual": 128}},
-                    )
-                    for g in (32, 64, 128)
-                ),
-            ),
-            columns=(axis("acc", "GSM8K accuracy"),),
-            published={
-                ("g32", "acc"): "similar to G=64",
-                ("g64", "acc"): "similar to G=32",
-                ("g128", "acc"): "markedly lower",
-            },
-            note="G=128 needs head_dim >= 128: on the default model (head_dim 64) its arm cannot run.",
-        ),
-        Layout(
-            paper="kivi",
-            node="kivi_axis_ablation",
-            title="KIVI: quantization axis of keys and values, WikiText-2 perplexity",
-            where="KIVI Sec. 3 observations / Table 1",
-            published_on="the paper's Llama models",
-            note=(
-                "The paper scores LM-Eval accuracy, not perplexity, and the source document states the "
-                "direction only; it states the V per-channel finding without a bit width (shown at 2)."
-            ),
-            corner="keys / values (uniform, G=32, no window)",
-            rows=(
-                FP16,
-                *(
-                    arm(
-                        f"k{k}_v{v}",
-                        f"K per-{k}, V per-{v}",
-                        {"method": "uniform", "bits": "$bits", "config": {"key_axis": k, "value_axis": v}},
-                    )
-                    for k, v in _AXES
-                ),
-            ),
-            columns=_bits_columns((2, 4)),
-            published={
-                ("ktoken_vtoken", "4"): "accuracy kept",
-                ("ktoken_vtoken", "2"): "large drop",
-                ("kchannel_vtoken", "2"): "the most accurate 2-bit layout",
-                ("ktoken_vchannel", "2"): "large drop (V per-channel)",
-                ("kchannel_vchannel", "2"): "large drop (V per-channel)",
-            },
-            digits=2,
-        ),
-    ),
-    "intactkv": (
-        Layout(
-            paper="intactkv",
-            node="intactkv_ppl",
-            title="IntactKV: KV-cache quantization with and without the lossless pivot token, perplexity",
-            where="IntactKV Fig. 4",
-            published_on="the paper's LLaMA models (not named in the source document)",
-            note=(
-                "The paper quantizes the KV cache of an AWQ weight-only model; the source document gives "
-                "the direction (better at every bit width, most at the fewest bits), not the numbers."
-            ),
-            corner="cache",
-            rows=(
-                arm("kivi", "KIVI (G=32, R=128)", {"method": "kivi", "bits": "$bits"}),
-                arm(
-                    "intact_kivi",
-                    "IntactKV + KIVI",
-                    {"method": "intactkv", "bits": "$bits", "config": {"base": {"name": "kivi"}}},
-                ),
-                arm("uniform", "uniform per-token (G=32)", {"method": "uniform", "bits": "$bits"}),
-                arm(
-                    "intact_uniform",
-                    "IntactKV + uniform",
-                    {"method": "intactkv", "bits": "$bits", "config": {"base": {"name": "uniform"}}},
-                ),
-                FP16,
-            ),
-            columns=_bits_columns((2, 3)),
-            published={
-                ("intact_kivi", "2"): "better than its base; larger gain",
-                ("intact_kivi", "3"): "better than its base",
-                ("intact_uniform", "2"): "better than its base; larger gain",
-                ("intact_uniform", "3"): "better than its base",
-            },
-            digits=2,
-        ),
-    ),
-    "kvquant": (
-        Layout(
-            paper="kvquant",
-            node="kvquant_ablation",
-            title="KVQuant: the components one at a time (Table 2 style), WikiText-2 perplexity",
-            where="KVQuant Table 1 / Fig. 1 and Sec. 4 (memory savings)",
-            published_on="LLaMA-7B, Wikitext-2 (the memory savings: across the paper's models)",
-            note=(
-                "The source document gives the full method's degradation against FP16 and its memory "
-                "savings, not Table 2's per-component perplexities, so the other rows have no published "
-                "value. The node removes one component at a time from the full method."
-            ),
-            corner="keys",
-            rows=(
-                arm(
-                    "int_channel",
-                    "int, per-channel keys (uniform, G=32, post-RoPE)",
-                    {
-                        "method": "uniform",
-                        "bits": "$bits",
-                        "config": {"key_axis": "channel", "value_axis": "token"},
-                    },
-                ),
-                _kvquant("full", "KVQuant: pre-RoPE, nuq, 1% outliers, FP16 sink"),
-                _kvquant("no_pre_rope", "- pre-RoPE (post-RoPE keys)", pre_rope=False),
-                _kvquant("no_nuq", "- nuq (uniform datatype)", datatype="uniform"),
-                _kvquant("no_outliers", "- outliers", outlier_fraction=0.0),
-                _kvquant("no_sink", "- sink", sink=False),
-                _kvquant("no_outliers_no_sink", "- outliers, - sink", outlier_fraction=0.0, sink=False),
-                FP16,
-            ),
-            columns=_kvquant_columns(),
-            published={
-                ("full", "4"): "FP16 + < 0.02",
-                ("full", "3"): "FP16 + < 0.1",
-                ("full", "2"): "FP16 + < 0.5",
-                ("full", "4eff"): "3.7x smaller than FP16",
-                ("full", "3eff"): "4.8x smaller than FP16",
-                ("full", "2eff"): "6.9x smaller than FP16",
-            },
-            digits=2,
-        ),
-    ),
-    "ott": (
-        Layout(
-            paper="ott",
-            node="ott_vs_kivi",
-            title="OTT: Needle-in-a-Haystack, KIVI-2 against OTT-2",
-            where="OTT Appendix G, Figs. 9-10",
-            published_on=(
-                "LLaMA-2-7B-chat (4K) and LLaMA-3-8B-Instruct (8K); the source document does not say "
-                "which model the two averages come from"
-            ),
-            corner="cache",
-            rows=(
-                FP16,
-                arm("kivi2", "KIVI-2 (G=32, R=128)", {"method": "kivi", "bits": 2}),
-                arm("ott2", "OTT-2 (G=128, R=32, pool 3)", {"method": "ott", "bits": 2}),
-            ),
-            columns=(axis("score", "NIAH score"),),
-            published={("kivi2", "score"): "93.1 %", ("ott2", "score"): "99.2 %"},
-            note="The paper's NIAH accuracy and kvbench's key-phrase recall are different scores.",
-        ),
-        Layout(
-            paper="ott",
-            node="attention_probe",
-            title="OTT: attention-output error of the quantized cache",
-            where="OTT Fig. 1(c)",
-            published_on="LLaMA-2-7B-chat",
-            note=(
-                "The paper plots the attention-output L1 loss by which tokens stay in full precision "
-                "(lowest when the smallest-key tokens do); the source document gives no numbers."
-            ),
-            corner="cache",
-            metric="rel_err",
-            rows=(
-                FP16,
-                arm("kivi2", "KIVI-2", {"method": "kivi", "bits": 2}),
-                arm("ott2", "OTT-2", {"method": "ott", "bits": 2}),
-            ),
-            columns=(axis("err", "relative attention-output error"),),
-            digits=4,
-        ),
-    ),
-    "specache": (
-        Layout(
-            paper="specache",
-            node="specache_niah",
-            title="SpeCache: Needle-in-a-Haystack at 1 bit",
-            where="SpeCache Fig. 4 (g=32)",
-            published_on=(
-                "Mistral-7B-Instruct-v0.2 (32K) and LLaMA-3-8B-Instruct (8K), GPT-4-graded responses"
-            ),
-            corner="cache",
-            rows=(
-                FP16,
-                arm("kivi1", "KIVI-1 (g=32, R=128)", {"method": "kivi", "bits": 1}),
-                arm("specache1", "SpeCache-1 (g=32, R=64, top-64)", {"method": "specache", "bits": 1}),
-            ),
-            columns=(axis("score", "NIAH score"),),
-            published={
-                ("kivi1", "score"): "retrieval severely damaged",
-                ("specache1", "score"): "back to the 16-bit level",
-            },
-        ),
-        Layout(
-            paper="specache",
-            node="specache_k_ablation",
-            title="SpeCache: prefetched FP16 pairs k, 1-bit (g=32), NIAH score",
-            where="SpeCache Fig. 5",
-            published_on="a model the source document does not name",
-            corner="cache",
-            rows=(
-                FP16,
-                arm(
-                    "specache1",
-                    "SpeCache-1 (g=32)",
-                    {"method": "specache", "bits": 1, "config": {"topk": "$k"}},
-                ),
-            ),
-            columns=tuple(axis(f"{k}", f"k={k}", k=k) for k in (0, 16, 64, 128)),
-            published={
-                ("specache1", "0"): "KIVI-1 baseline",
-                ("specache1", "16"): "markedly above k=0; rises with k",
-            },
-        ),
-        Layout(
-            paper="specache",
-            node="specache_1bit_zero_point",
-            title="SpeCache: the 1-bit zero point, with and without prefetching, NIAH score",
-            where="SpeCache Table 5",
-            published_on="the paper's LongBench setting (the source document does not name the model)",
-            note="The source document states the direction only.",
-            corner="cache",
-            rows=(
-                arm(
-                    "kivi",
-                    "KIVI-1 (no prefetch)",
-                    {"method": "kivi", "bits": 1, "config": {"zero_point": "$zp"}},
-                ),
-                arm(
-                    "specache",
-                    "SpeCache-1 (top-k prefetch)",
-                    {"method": "specache", "bits": 1, "config": {"zero_point": "$zp"}},
-                ),
-                FP16,
-            ),
-            columns=(
-                axis("minmax", "min/max zero point (KIVI)", zp="minmax"),
-                axis("specache", "SpeCache zero point", zp="specache"),
-            ),
-            published={
-                ("kivi", "minmax"): "very poor",
-                ("specache", "minmax"): "very poor even with SpeCache",
-                ("specache", "specache"): "much better",
-            },
-        ),
-        Layout(
-            paper="specache",
-            node="specache_hitrate",
-            title="SpeCache: attention hit rate by sparsity k/T, per policy (FP16 attention)",
-            where="SpeCache Fig. 2 left",
-            published_on="LLaMA-3-8B, PG19 truncated to 8K tokens",
-            corner="policy",
-            metric="hit_rates.$policy.$sparsity",
-            rows=tuple(
-                Entry(p, label, select={"method": "fp16"}, vars={"policy": p})
-                for p, label in (
-                    ("exact_topk", "query-dependent top-k (exact)"),
-                    ("specache", "SpeCache speculative top-k"),
-                    ("h2o", "greedy eviction (H2O)"),
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _Reader:
+    """Checks one paper file's values, each error naming the file and the key's path in it."""
+
+    def __init__(self, file: Path):
+        self.file = file
+
+    def fail(self, key: str, value: Any, allowed: str) -> None:
+        raise PaperError(self.file, key, value, allowed)
+
+    def mapping(self, key: str, value: Any, allowed: Sequence[str], required: Sequence[str] = ()) -> dict:
+        if not isinstance(value, dict):
+            self.fail(key or "(file)", value, f"must be a mapping with the keys {', '.join(allowed)}")
+        for name in value:
+            if name not in allowed:
+                self.fail(
+                    f"{key}.{name}" if key else str(name),
+                    value[name],
+                    f"unknown key; allowed: {', '.join(allowed)}",
                 )
-            ),
-            columns=tuple(
-                axis(s, f"{100 * float(s):g} %", sparsity=s) for s in ("0.005", "0.01", "0.02", "0.05", "0.1")
-            ),
-            published={
-                ("exact_topk", "0.005"): "about 0.90",
-                ("h2o", "0.005"): "far below top-k",
-            },
-        ),
-    ),
-    "semkv": (
-        Layout(
-            paper="semkv",
-            node="semkv_cliff",
-            title="SemKV: the quality cliff, mean score by bits (affine and TurboQuant-MSE base)",
-            where="SemKV Sec. 4.1 / Fig. 1 (affine) and Sec. 4.9 (TurboQuant-MSE)",
-            note=(
-                "Published: where the score stays statistically indistinguishable from FP16 (~ FP16) and "
-                "where it has collapsed; the source document stops before the per-point scores. "
-                "TurboQuant's generation-side cliff lies lower, in (1.0, 1.585]."
-            ),
-            published_on=_SEMKV_MODEL,
-            corner="bits",
-            rows=tuple(axis(f"{b:g}", f"{b:g}", bits=b) for b in _SEMKV_GRID),
-            columns=(
-                arm("uniform", "uniform (affine)", {"method": "uniform", "bits": "$bits"}),
-                arm(
-                    "turboquant",
-                    "TurboQuant-MSE",
-                    {"method": "turboquant", "bits": "$bits"},
-                    node="semkv_turboquant_cliff",
-                ),
-                arm("fp16", "FP16", {"method": "fp16"}),
-            ),
-            published={
-                **{(f"{b:g}", "uniform"): "~ FP16" for b in (2.322, 2.585, 3)},
-                ("2", "uniform"): "collapsed",
-                ("2", "turboquant"): "~ FP16",
-                ("1.585", "turboquant"): "collapsed (prefill, multi-turn)",
-            },
-        ),
-        Layout(
-            paper="semkv",
-            node="semkv_interpolation",
-            title="SemKV: two-level interpolation between 2.322 and 2.585 bits",
-            where="SemKV Abstract / Sec. 4.2",
-            note="Table 2's per-row scores are not in the source document.",
-            published_on=_SEMKV_MODEL,
-            corner="cache (per-token affine over the head)",
-            rows=(
-                arm("u2322", "uniform, 5 levels (2.322)", {"method": "uniform", "bits": 2.322}),
-                *(
-                    arm(
-                        f"s{b}",
-                        f"SemKV {b} (key-norm ranking)",
-                        {"method": "semkv", "bits": b, "config": {"metric": "key_norm"}},
+        for name in required:
+            if name not in value:
+                self.fail(f"{key}.{name}" if key else name, None, "missing (required)")
+        return value
+
+    def text(self, key: str, value: Any, empty: bool = False) -> str:
+        if not isinstance(value, str) or (not empty and not value.strip()):
+            self.fail(key, value, "must be text" + ("" if empty else " (not empty)"))
+        return value
+
+    def whole(self, key: str, value: Any, low: int | None = None, high: int | None = None) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            self.fail(key, value, "must be a whole number")
+        if (low is not None and value < low) or (high is not None and value > high):
+            self.fail(key, value, f"must lie in [{low}, {high}]")
+        return value
+
+    def items(self, key: str, value: Any) -> list:
+        if not isinstance(value, list) or not value:
+            self.fail(key, value, "must be a non-empty list")
+        return value
+
+    def selector(self, key: str, value: Any) -> dict[str, Any]:
+        sel = self.mapping(key, value, ENTRY_SELECTOR_KEYS)
+        if "label" not in sel and "method" not in sel:
+            self.fail(key, value, "needs 'method' or 'label' (arms are chosen by what ran, not by folder)")
+        for name in ("label", "method"):
+            if name in sel:
+                self.text(f"{key}.{name}", sel[name])
+        bits = sel.get("bits")
+        if "bits" in sel and not (_is_number(bits) or (isinstance(bits, str) and _PLACEHOLDER.match(bits))):
+            self.fail(f"{key}.bits", bits, "must be a number or a placeholder such as '$bits'")
+        if "config" in sel and not isinstance(sel["config"], dict):
+            self.fail(f"{key}.config", sel["config"], "must be a mapping (a subset of the method node)")
+        return dict(sel)
+
+    def entry(self, key: str, value: Any) -> Entry:
+        e = self.mapping(key, value, ENTRY_KEYS, ("key", "label"))
+        if not isinstance(e["key"], str) or not e["key"].strip():
+            self.fail(f"{key}.key", e["key"], "must be text (quote a number: '4')")
+        self.text(f"{key}.label", e["label"])
+        variables = e.get("vars") or {}
+        if not isinstance(variables, dict) or not all(
+            isinstance(k, str) and k.isidentifier() for k in variables
+        ):
+            self.fail(f"{key}.vars", e.get("vars"), "must be a mapping {name: value} with identifier names")
+        for name in ("metric", "node"):
+            if e.get(name) is not None:
+                self.text(f"{key}.{name}", e[name])
+        if e.get("digits") is not None:
+            self.whole(f"{key}.digits", e["digits"], 0, _MAX_DIGITS)
+        if not isinstance(e.get("interval", True), bool):
+            self.fail(f"{key}.interval", e["interval"], "must be true or false")
+        return Entry(
+            key=e["key"],
+            label=e["label"],
+            select=None if e.get("select") is None else self.selector(f"{key}.select", e["select"]),
+            vars=dict(variables),
+            metric=e.get("metric"),
+            node=e.get("node"),
+            digits=e.get("digits"),
+            interval=e.get("interval", True),
+        )
+
+    def published(self, key: str, value: Any) -> dict[tuple[str, str], Any]:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            self.fail(key, value, "must be a mapping {row key: {column key: value}}")
+        out = {}
+        for row, cells in value.items():
+            if not isinstance(row, str):
+                self.fail(f"{key}.{row}", row, "a row key must be text (quote a number: '4')")
+            if not isinstance(cells, dict):
+                self.fail(f"{key}.{row}", cells, "must be a mapping {column key: value}")
+            for column, published in cells.items():
+                if not isinstance(column, str):
+                    self.fail(
+                        f"{key}.{row}.{column}", column, "a column key must be text (quote a number: '4')"
                     )
-                    for b in (2.39, 2.45, 2.52)
-                ),
-                arm("u2585", "uniform, 6 levels (2.585)", {"method": "uniform", "bits": 2.585}),
-                arm(
-                    "r2.39",
-                    "SemKV 2.39 (random ranking)",
-                    {"method": "semkv", "bits": 2.39, "config": {"metric": "random"}},
-                ),
-                FP16,
-            ),
-            columns=(*_ACCOUNTING, axis("score", "score")),
-            published={
-                ("u2322", "score"): "~ FP16",
-                ("s2.39", "code"): "2.39",
-                ("s2.39", "eff"): "2.65 (6.0x below FP16)",
-                ("s2.39", "score"): "~ FP16",
-                ("u2585", "score"): "~ FP16",
-            },
-        ),
-        Layout(
-            paper="semkv",
-            node="semkv_interpolation_above_cliff",
-            title="SemKV's recipe above the default model's own cliff (3 / 3.322 bits)",
-            where="none: SemKV's recipe (Sec. 3) applied to this model's measured cliff",
-            published_on="",
-            corner="cache (per-token affine over the head)",
-            rows=(
-                arm("u3", "uniform, 8 levels (3)", {"method": "uniform", "bits": 3}),
-                *(
-                    arm(
-                        f"s{b}",
-                        f"SemKV {b} (key-norm ranking)",
-                        {"method": "semkv", "bits": b, "config": {"metric": "key_norm"}},
-                    )
-                    for b in (3.1, 3.2)
-                ),
-                arm("u3322", "uniform, 10 levels (3.322)", {"method": "uniform", "bits": 3.322}),
-                arm(
-                    "r3.1",
-                    "SemKV 3.1 (random ranking)",
-                    {"method": "semkv", "bits": 3.1, "config": {"metric": "random"}},
-                ),
-                FP16,
-            ),
-            columns=(*_ACCOUNTING, axis("score", "score")),
-        ),
-        Layout(
-            paper="semkv",
-            node="semkv_prune_vs_lowprec",
-            title="SemKV: FP16 token pruning against 2.39-bit retention at matched memory",
-            where="SemKV Sec. 4.5 (contribution 4)",
-            published_on="Llama-3.1-8B-Instruct (the paper's main model; its LongBench protocol)",
-            corner="cache",
-            rows=(
-                arm("fp16", "FP16 (full cache)", {"method": "fp16"}),
-                arm("semkv", "SemKV 2.39", {"method": "semkv", "bits": 2.39}),
-                arm("streamingllm", "StreamingLLM", {"method": "streamingllm"}),
-                arm("h2o", "H2O", {"method": "h2o"}),
-                arm("snapkv", "SnapKV", {"method": "snapkv"}),
-                arm("random", "random pruning", {"method": "random_prune"}),
-            ),
-            columns=(_ACCOUNTING[1], axis("score", "score")),
-            published={
-                ("fp16", "score"): "0.438",
-                ("semkv", "score"): "~ full cache (0.438)",
-                ("streamingllm", "score"): "0.065-0.149 (pruning range)",
-                ("h2o", "score"): "0.065-0.149 (pruning range)",
-                ("snapkv", "score"): "0.065-0.149 (pruning range)",
-                ("random", "score"): "~ metric-based pruning",
-            },
-            note="The pruning arms keep FP16 tokens up to the bytes SemKV-2.39 holds (matched memory).",
-        ),
-    ),
-    "readkv": (
-        Layout(
-            paper="readkv",
-            node="readkv_read_budget",
-            title="ReadKV: perplexity against the read budget, read (8-bit store) against store",
-            where="ReadKV abstract (C4 perplexity)",
-            note="The node scores WikiText-2 (task.dataset=c4 for the paper's data).",
-            published_on="six base models the abstract does not name",
-            corner="cache",
-            rows=(
-                arm(
-                    "read",
-                    "ReadKV: read b bits of an 8-bit store",
-                    {"method": "readkv", "config": {"bits": 8, "read_bits": "$bits"}},
-                ),
-                arm(
-                    "store",
-                    "TurboQuant-MSE: store and read b bits",
-                    {"method": "turboquant", "bits": "$bits"},
-                ),
-                FP16,
-            ),
-            columns=_bits_columns((1, 2, 3, 4), " bit read"),
-            published={("read", "4"): "<= FP16 + 0.66 %; below store-4"},
-            digits=2,
-        ),
-    ),
-}
+                if not (_is_number(published) or (isinstance(published, str) and published.strip())):
+                    self.fail(f"{key}.{row}.{column}", published, "the paper's value: a number or text")
+                out[(row, column)] = published
+        return out
 
-# One-line notes for tables of a paper that no node reproduces on the default model.
-NOTES: dict[str, tuple[str, ...]] = {
-    "kivi": (
-        "LongBench (KIVI's long-context table) has no node on the default model (a 135M model with a "
-        "short context); on a GPU: `python -m kvbench -m task=longbench model=llama2-7b "
-        "+method=fp16,kivi bits=2,4`.",
-    ),
-}
+    def layout(self, key: str, paper: str, value: Any) -> Layout:
+        t = self.mapping(key, value, TABLE_KEYS, TABLE_REQUIRED)
+        for name in ("node", "title", "where"):
+            self.text(f"{key}.{name}", t[name])
+        for name in ("published_on", "corner"):
+            if t.get(name) is not None:
+                self.text(f"{key}.{name}", t[name], empty=True)
+        for name in ("note", "metric"):
+            if t.get(name) is not None:
+                self.text(f"{key}.{name}", t[name])
+        axes = {}
+        for name in ("rows", "columns"):
+            items = self.items(f"{key}.{name}", t[name])
+            axes[name] = tuple(self.entry(f"{key}.{name}[{i}]", e) for i, e in enumerate(items))
+        layout = Layout(
+            paper=paper,
+            node=t["node"],
+            title=t["title"],
+            where=t["where"],
+            published_on=t.get("published_on") or "",
+            rows=axes["rows"],
+            columns=axes["columns"],
+            published=self.published(f"{key}.published", t.get("published")),
+            metric=t.get("metric"),
+            digits=3 if t.get("digits") is None else self.whole(f"{key}.digits", t["digits"], 0, _MAX_DIGITS),
+            corner=t.get("corner") or "",
+            note=t.get("note"),
+        )
+        try:
+            check(layout)
+        except LayoutError as err:
+            self.fail(key, layout.node, str(err))
+        return layout
 
 
-def layouts(paper: str) -> tuple[Layout, ...]:
-    """The layouts of ``paper`` (none for a paper without one)."""
-    return LAYOUTS.get(paper, ())
+def read_paper(file: str | Path, conf_dir: str | Path | None = None) -> Paper:
+    """One paper file checked against the schema (see the module docstring); with ``conf_dir``
+    (the ``conf`` folder) every node its tables and claims name must exist there."""
+    file = Path(file)
+    reader = _Reader(file)
+    try:
+        doc = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        raise PaperError(file, "(file)", file.name, f"not YAML: {str(err).splitlines()[0]}") from None
+    doc = reader.mapping("", doc, PAPER_KEYS, PAPER_REQUIRED)
+    name = reader.text("paper", doc["paper"])
+    if not _NAME.match(name) or name != file.stem:
+        reader.fail("paper", name, f"must be the file's stem {file.stem!r} (lower-case letters, digits, _)")
+    for key in ("title", "source"):
+        reader.text(key, doc[key])
+    notes = doc.get("notes") or []
+    if not isinstance(notes, list) or not all(isinstance(n, str) and n.strip() for n in notes):
+        reader.fail("notes", doc.get("notes"), "must be a list of one-line texts")
+    tables = doc.get("tables") or []
+    if not isinstance(tables, list):
+        reader.fail("tables", tables, "must be a list of tables (see kvbench/analysis/papers.py)")
+    layouts = tuple(reader.layout(f"tables[{i}]", name, t) for i, t in enumerate(tables))
+    if conf_dir is not None:
+        for i, layout in enumerate(layouts):
+            for node in layout.nodes:
+                if not (Path(conf_dir) / "experiment" / f"{node}.yaml").is_file():
+                    reader.fail(f"tables[{i}].node", node, "no such node under conf/experiment")
+    entries = doc.get("claims") or []
+    if not isinstance(entries, list):
+        reader.fail("claims", entries, "must be a list of claims (see kvbench/analysis/claims.py)")
+    try:
+        claims = tuple(
+            validate(e, i, Path(conf_dir) if conf_dir else None, paper=name) for i, e in enumerate(entries)
+        )
+    except ClaimsError as err:
+        raise err.located(file) from None
+    return Paper(
+        id=name,
+        title=doc["title"],
+        source=doc["source"],
+        order=reader.whole("order", doc["order"]),
+        file=file,
+        claims_order=None
+        if doc.get("claims_order") is None
+        else reader.whole("claims_order", doc["claims_order"]),
+        notes=tuple(notes),
+        tables=layouts,
+        claims=claims,
+    )
 
 
-def all_layouts() -> list[Layout]:
-    return [layout for group in LAYOUTS.values() for layout in group]
+def load_papers(source: str | Path = PAPERS_DIR, conf_dir: str | Path | None = None) -> list[Paper]:
+    """Every paper file of the folder ``source`` (``*.yaml``; or the one file ``source``), checked
+    file by file and then across files (claim ids unique, task-level claims declared, every rule
+    able to reach its alpha at its node's size with ``conf_dir``), in ``order``."""
+    source = Path(source)
+    if source.is_dir():
+        files = sorted(source.glob("*.yaml"))
+        if not files:
+            raise PaperError(source, "declarations", str(source), "the folder holds no <paper>.yaml")
+    elif source.is_file():
+        files = [source]
+    else:
+        raise PaperError(source, "declarations", str(source), "does not exist: give a folder of <paper>.yaml")
+    papers = sorted((read_paper(f, conf_dir) for f in files), key=lambda p: (p.order, p.id))
+    files_of = {c.id: p.file for p in papers for c in p.claims}
+    try:
+        check_claims(claims_of(papers), Path(conf_dir) if conf_dir else None)
+    except ClaimsError as err:
+        raise err.located(files_of.get(err.claim, source)) from None
+    return papers
 
 
-def covered_nodes(paper: str) -> set[str]:
-    """Every experiment node the paper's layouts read."""
-    return {n for layout in layouts(paper) for n in layout.nodes}
+def claims_of(papers: Sequence[Paper]) -> list[Claim]:
+    """The papers' claims in the register's order (each paper's ``claims_order``, else ``order``)."""
+    ranked = sorted(papers, key=lambda p: (p.order if p.claims_order is None else p.claims_order, p.id))
+    return [c for p in ranked for c in p.claims]
+
+
+def load_claims(source: str | Path = PAPERS_DIR, conf_dir: str | Path | None = None) -> list[Claim]:
+    """Every claim of the paper files under ``source`` (see :func:`load_papers`), in register order."""
+    return claims_of(load_papers(source, conf_dir))

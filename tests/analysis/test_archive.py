@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import yaml
 from matplotlib import image
-from synthetic_claims import write_claim_runs
+from synthetic_claims import shipped_tables, write_claim_runs, write_paper
 from synthetic_runs import write_runs
 
 from kvbench import report
@@ -85,13 +85,13 @@ def test_a_tampered_archive_is_refused(runs, tmp_path):
         read_archive(path.parent)
 
 
-def _claims_file(tmp_path):
+def _paper_files(tmp_path):
     arms = {
         "chan": {"method": "kivi", "bits": 2, "config": {"key_axis": "channel"}},
         "fp16": {"method": "fp16"},
     }
     uniform = {"uniform": {"method": "uniform"}, "fp16": {"method": "fp16"}}
-    base = {"paper": "semkv", "where": "Table 1", "statement": "s", "published": "p"}
+    base = {"where": "Table 1", "statement": "s", "published": "p"}
     claims = [
         {
             **base,
@@ -110,24 +110,23 @@ def _claims_file(tmp_path):
         },
         {**base, "id": "c-missing", "experiment": "kivi_gsm8k", "arms": arms, "rule": "better(chan, fp16)"},
     ]
-    path = tmp_path / "claims.yaml"
-    path.write_text(yaml.safe_dump({"claims": claims}))
-    return path
+    # the shipped SemKV tables with these claims: the page shows both
+    return write_paper(tmp_path / "papers", claims, paper="semkv", tables=shipped_tables("semkv"))
 
 
 def _outputs(folder):
     return {
         p.relative_to(folder): p
         for p in folder.rglob("*")
-        if p.is_file() and p.name not in (ARCHIVE, MANIFEST, "claims.yaml")
+        if p.is_file() and p.name not in (ARCHIVE, MANIFEST)
     }
 
 
 def test_results_from_the_archive_match_results_from_the_runs(runs, tmp_path):
     """What `make results` rebuilds from the archives is what the run folders give directly:
     markdown and CSV byte for byte, figures pixel for pixel."""
-    claims = _claims_file(tmp_path)
-    kwargs = {"claims_file": claims, "n_resamples": 200, "conf_dir": None, "say": lambda *_: None}
+    claims = _paper_files(tmp_path)
+    kwargs = {"declarations": claims, "n_resamples": 200, "conf_dir": None, "say": lambda *_: None}
     direct = tmp_path / "direct"
     report.regenerate(frames_from_runs(runs), direct, **kwargs)
     archived = tmp_path / "archived"
@@ -165,12 +164,12 @@ def test_cli_archive_then_regenerate(runs, tmp_path, capsys):
     results = tmp_path / "results"
     assert report.main(["--archive", str(runs), "--results", str(results)]) == 0
     assert "samples.csv.gz" in capsys.readouterr().out
-    claims = _claims_file(tmp_path)
+    claims = _paper_files(tmp_path)
     # claims on synthetic experiments: the node check would refuse synthetic_cliff, so the
     # regenerate path is driven through the function with conf_dir=None in the test above; here the
     # command must fail with one line naming the missing node.
     code = report.main(
-        ["--regenerate", "--results", str(results), "--claims-file", str(claims), "--resamples", "50"]
+        ["--regenerate", "--results", str(results), "--declarations", str(claims), "--resamples", "50"]
     )
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -184,7 +183,7 @@ def test_committed_results_regenerate_from_the_committed_archives(tmp_path):
     repo_results = Path(__file__).resolve().parents[2] / "results"
     frames = load_archives(repo_results)
     out = tmp_path / "results"
-    written = report.regenerate(frames, out, repo_results / "claims.yaml", say=lambda *_: None)
+    written = report.regenerate(frames, out, say=lambda *_: None)
     assert any(p.parent.name == "claims" for p in written)
     regenerated = _outputs(out)
     assert regenerated
@@ -205,7 +204,7 @@ def test_committed_results_regenerate_from_the_committed_archives(tmp_path):
     # the README's results section is the same generated block
     readme = (repo_results.parent / "README.md").read_text()
     begin, end = readme.index(report.README_BEGIN), readme.index(report.README_END)
-    by_model = report.claims_results(frames, repo_results / "claims.yaml")
+    by_model = report.claims_results(frames)
     block = report.readme_block(by_model, frames)
     assert readme[begin : end + len(report.README_END)] + "\n" == block, (
         "README results differ; run make results"

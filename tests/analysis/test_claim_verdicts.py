@@ -9,8 +9,7 @@ import math
 
 import numpy as np
 import pytest
-import yaml
-from synthetic_claims import EXPERIMENT, NOISE, write_claim_runs
+from synthetic_claims import EXPERIMENT, NOISE, write_claim_runs, write_paper
 
 from kvbench import report
 from kvbench.analysis.archive import load_archives, write_archives
@@ -30,7 +29,6 @@ CLIFF = {"experiment": EXPERIMENT, "family": {"method": "uniform"}, "reference":
 def _claim(cid, rule, **extra):
     return {
         "id": cid,
-        "paper": "semkv",
         "where": "summary",
         "statement": "A statement.",
         "published": "1.0",
@@ -71,8 +69,7 @@ def page(tmp_path_factory):
     root = tmp_path_factory.mktemp("verdicts")
     results = root / "results"
     write_archives(write_claim_runs(root / "runs"), results)
-    claims = root / "claims.yaml"
-    claims.write_text(yaml.safe_dump({"claims": CLAIMS}, allow_unicode=True))
+    claims = write_paper(root / "papers", CLAIMS, paper="semkv")
     frames = load_archives(results)
     by_model = report.claims_results(frames, claims, ["tiny"], n_resamples=300, conf_dir=None)
     (path,) = report.write_claims(by_model, results / "claims", frames)

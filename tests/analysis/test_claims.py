@@ -5,25 +5,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
-from synthetic_claims import EXPERIMENT, NOISE, SAMPLES, SEEDS, fp16_score, write_claim_runs
+from synthetic_claims import EXPERIMENT, NOISE, SAMPLES, SEEDS, fp16_score, write_claim_runs, write_paper
 
 from kvbench import report
 from kvbench.analysis.archive import frames_from_runs
 from kvbench.analysis.claims import (
-    PAPERS,
     ClaimsError,
     Outcome,
     _decide_family,
     claims_table,
     evaluate_claims,
-    load_claims,
     validate,
 )
+from kvbench.analysis.papers import load_claims, load_papers
+from kvbench.paths import PAPERS_DIR
 from kvbench.stats import n_from_pilot
 
 REPO = Path(__file__).resolve().parents[2]
-CLAIMS = REPO / "results" / "claims.yaml"
 N_PAIRS = len(SAMPLES) * len(SEEDS)
 
 ARMS = {
@@ -45,7 +43,6 @@ ARMS = {
 def _claim(cid, rule, experiment=EXPERIMENT, **extra):
     return {
         "id": cid,
-        "paper": "semkv",
         "where": "Table 1",
         "statement": "A statement.",
         "published": "1.0",
@@ -280,7 +277,7 @@ GOOD = _claim("x-claim", "better(chan, tok)")
     [
         ({"measured": "0.5"}, "measured", "computed from the runs"),
         ({"verdict": "reproduced"}, "verdict", "computed from the runs"),
-        ({"paper": "gear"}, "paper", "not one of"),
+        ({"paper": "gear"}, "paper", "the paper file declares its claims"),
         ({"rule": "best(chan, tok)"}, "rule", "unknown rule"),
         ({"rule": "better(chan, nope)"}, "rule", "not declared under arms"),
         ({"rule": "better(chan)"}, "rule", "takes 2 arms"),
@@ -303,49 +300,55 @@ GOOD = _claim("x-claim", "better(chan, tok)")
 )
 def test_schema_errors_name_claim_and_field(tmp_path, change, field, message):
     entry = {**copy.deepcopy(GOOD), **change}
-    path = tmp_path / "claims.yaml"
-    path.write_text(yaml.safe_dump({"claims": [entry]}))
+    write_paper(tmp_path, [entry])
     with pytest.raises(ClaimsError, match=message) as err:
-        load_claims(path, require_all_papers=False)
+        load_claims(tmp_path)
     assert err.value.claim == "x-claim" and err.value.field == field
+    # one line naming the file that declares the claim
+    assert str(err.value).startswith(f"{tmp_path / 'toy.yaml'}: claim 'x-claim' field {field!r}: ")
+    assert "\n" not in str(err.value)
 
 
 def test_experiment_node_must_exist_unless_pending(tmp_path):
-    path = tmp_path / "claims.yaml"
-    path.write_text(yaml.safe_dump({"claims": [_claim("x", "better(chan, tok)", experiment="no_such_node")]}))
+    conf = REPO / "kvbench" / "conf"
+    write_paper(tmp_path, [_claim("x", "better(chan, tok)", experiment="no_such_node")])
     with pytest.raises(ClaimsError, match="no node conf/experiment/no_such_node.yaml"):
-        load_claims(path, conf_dir=REPO / "kvbench" / "conf", require_all_papers=False)
-    path.write_text(
-        yaml.safe_dump(
-            {"claims": [_claim("x", "better(chan, tok)", experiment="no_such_node", pending="soon")]}
-        )
-    )
-    assert (
-        load_claims(path, conf_dir=REPO / "kvbench" / "conf", require_all_papers=False)[0].pending == "soon"
-    )
+        load_claims(tmp_path, conf_dir=conf)
+    write_paper(tmp_path, [_claim("x", "better(chan, tok)", experiment="no_such_node", pending="soon")])
+    assert load_claims(tmp_path, conf_dir=conf)[0].pending == "soon"
+
+
+def test_claim_ids_are_unique_across_paper_files(tmp_path):
+    write_paper(tmp_path, [_claim("same", "better(chan, tok)")], paper="one")
+    write_paper(tmp_path, [_claim("same", "better(tok, chan)")], paper="two", order=2)
+    with pytest.raises(ClaimsError, match="field 'id': repeated") as err:
+        load_claims(tmp_path)
+    assert str(err.value).startswith(str(tmp_path / "two.yaml"))
 
 
 def test_committed_declarations_hold_no_measured_values_or_verdicts():
-    text = CLAIMS.read_text()
-    assert not re.findall(r"^\s*-?\s*(measured|verdict|source)\s*:", text, flags=re.M)
-    claims = load_claims(CLAIMS, conf_dir=REPO / "kvbench" / "conf")
-    assert {c.paper for c in claims} == set(PAPERS)
+    for path in PAPERS_DIR.glob("*.yaml"):
+        text = path.read_text().split("\nclaims:\n", 1)[1]
+        assert not re.findall(r"^\s*-?\s*(measured|verdict|source)\s*:", text, flags=re.M), path.name
+    papers = load_papers(conf_dir=REPO / "kvbench" / "conf")
+    claims = load_claims(conf_dir=REPO / "kvbench" / "conf")
+    assert {c.paper for c in claims} == {p.id for p in papers}
     for claim in claims:
         assert claim.rules or claim.untestable, claim.id
-        # every seed paper has at least one claim a run can decide
-    assert {c.paper for c in claims if c.rules} == set(PAPERS)
+    # every seed paper has at least one claim a run can decide
+    assert {c.paper for c in claims if c.rules} == {p.id for p in papers}
 
 
 def test_cli_computes_and_writes_the_verdict_table(tmp_path, capsys):
     runs = write_claim_runs(tmp_path / "runs")
-    claims = tmp_path / "claims.yaml"
-    claims.write_text(
-        yaml.safe_dump(
-            {"claims": [_claim("cli-pass", "better(chan, tok)"), _claim("cli-fail", "better(tok, chan)")]}
-        )
+    papers = tmp_path / "papers"
+    write_paper(
+        papers,
+        [_claim("cli-pass", "better(chan, tok)"), _claim("cli-fail", "better(tok, chan)")],
+        paper="semkv",
     )
     args = ["--claims", "--runs", str(runs), "--results", str(tmp_path / "results")]
-    args += ["--claims-file", str(claims), "--model", "tiny", "--resamples", "200"]
+    args += ["--declarations", str(papers), "--model", "tiny", "--resamples", "200"]
     assert report.main(args) == 0
     out = capsys.readouterr().out
     assert "| cli-pass | semkv |" in out and "reproduced: 1; evidence against: 1" in out
@@ -353,9 +356,7 @@ def test_cli_computes_and_writes_the_verdict_table(tmp_path, capsys):
     assert md.startswith("# Paper claims on tiny") and "| cli-fail |" in md
     assert (tmp_path / "results" / "claims" / "tiny.csv").exists()
     # a declaration with a typed verdict is refused with one line naming the claim and field
-    claims.write_text(
-        yaml.safe_dump({"claims": [{**_claim("bad", "better(chan, tok)"), "verdict": "reproduced"}]})
-    )
+    write_paper(papers, [{**_claim("bad", "better(chan, tok)"), "verdict": "reproduced"}], paper="semkv")
     assert report.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "claim 'bad' field 'verdict'" in err[0]
@@ -370,13 +371,12 @@ def test_a_rule_that_can_never_reach_alpha_is_refused_at_declaration(tmp_path):
     assert min_p_sign_flip(6, 7, two_sided=True) == 7 * 2 / 64 and min_n_sign_flip(0.05, 7, True) == 9
     assert min_p_sign_flip(6, 3) == 3 / 64 and min_n_sign_flip(0.05, 4) == 7
     conf = REPO / "kvbench" / "conf"
-    path = tmp_path / "claims.yaml"
-    path.write_text(yaml.safe_dump({"claims": [_claim("cliff", 'cliff_within(uniform, fp16, "(2, 3]")')]}))
-    assert load_claims(path, conf_dir=conf, require_all_papers=False)
+    write_paper(tmp_path, [_claim("cliff", 'cliff_within(uniform, fp16, "(2, 3]")')])
+    assert load_claims(tmp_path, conf_dir=conf)
     many = [_claim(f"c{i}", "better(chan, tok)", family="big") for i in range(60)]
-    path.write_text(yaml.safe_dump({"claims": many}))
+    write_paper(tmp_path, many)
     with pytest.raises(ClaimsError, match=r"can never reach alpha=0.05 .* n=9 pairs .* needs n >= 11") as err:
-        load_claims(path, conf_dir=conf, require_all_papers=False)
+        load_claims(tmp_path, conf_dir=conf)
     assert err.value.field == "rule"
 
 
