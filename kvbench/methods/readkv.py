@@ -103,6 +103,8 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
     # 2: codes stored as bit planes (same values and attention, other bytes)
     version: ClassVar[int] = 2
     default_bits: ClassVar[float] = 8.0
+    # the query-adaptive reads: 30 s against 8 s per window in attention_probe's CPU records
+    cost_cpu: ClassVar[float] = 3.5
     bits_knob: ClassVar[str | None] = "read_bits"  # the run's bits set the read budget, not B
 
     def __post_init__(self):

@@ -92,6 +92,9 @@ class SpeCacheConfig(AffineKVConfig):
     speculative: bool = True
 
     default_bits: ClassVar[float] = 1.0
+    # the per-step prefetch: 20x FP16 in specache_niah's CPU records; host prefetch each step on a GPU
+    cost_cpu: ClassVar[float] = 20.0
+    cost_gpu: ClassVar[float] = 4.0
 
     def __post_init__(self):
         super().__post_init__()
