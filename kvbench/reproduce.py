@@ -360,7 +360,7 @@ def plan_node(
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from kvbench.__main__ import run_config, sweep_jobs
+    from kvbench.__main__ import job_config, sweep_jobs
     from kvbench.errors import ConfigError
 
     plan = NodePlan(node, profile)
@@ -388,7 +388,7 @@ def plan_node(
                     first = plan.jobs[0]
                     job.samples, job.seconds, job.source = first.samples, first.seconds, first.source
                     continue
-                config = run_config(loader.load_sweep_config(master, job.overrides))
+                config = job_config(loader.load_sweep_config(master, job.overrides))
                 job.samples = samples_per_job(config)
                 job.folder, job.method, job.model = _run_folder(config)
                 if compose:

@@ -168,10 +168,6 @@ def grouped_codes(codes, scale, zero, axis: str, group: int) -> Codes:
     return Codes(codes, scale.repeat_interleave(group, dim), zero.float().repeat_interleave(group, dim), rms)
 
 
-def expanded_codes(store: BitPlaneTokens) -> Codes:
-    return grouped_codes(store.codes(), store.scale, store.zero, store.axis, store.group_size)
-
-
 def budgets(read_bits: float, key_share: float, head_dim: int, tokens: int) -> tuple[int, int]:
     """``(key bits per stored token, value bits per channel)``: the integer read budgets of the two
     stages (module docstring, steps 1 and 3)."""

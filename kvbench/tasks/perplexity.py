@@ -181,11 +181,6 @@ def c4_local_file(data_root: Path, path: str | None = None) -> Path | None:
     return shards[0] if shards else None
 
 
-def read_c4_documents(path: Path, n: int, field: str = "text") -> list[str]:
-    """The ``field`` of the first ``n`` documents of a C4 shard (JSON lines, gzipped or not, or parquet)."""
-    return read_documents(path, field, limit=n, key="data.root")
-
-
 def hub_c4_documents(n: int) -> list[str]:
     """The first ``n`` documents of the validation shard from the Hub (needs a network)."""
     import datasets
