@@ -30,7 +30,7 @@ def kv_bits_label(config) -> str:
 
 @dataclass
 class AffineCodesConfig(FullPrecisionWindow, MethodConfig):
-    """Affine key and value codes in KIVI's layout (:class:`kvbench.cache.kivi_layout.KIVILayout`)
+    """Affine key and value codes in KIVI's layout (:class:`kvbench.cache.kivi_layout.KIVILayer`)
     behind a full-precision window: ``key_bits`` and ``value_bits`` (default: ``bits``) and the
     ``zero_point`` (``minmax``, or ``specache`` at 1 bit). A subclass declares ``group_size`` G (tokens
     per key group) and ``residual`` R (the window) with its own defaults and rules."""
@@ -69,7 +69,7 @@ class AffineKVConfig(AffineCodesConfig):
         check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")
 
     def layout(self, fp_dtype) -> dict:
-        """Keyword arguments of :class:`~kvbench.cache.kivi_layout.KIVILayout` (after the layer
+        """Keyword arguments of :class:`~kvbench.cache.kivi_layout.KIVILayer` (after the layer
         index) for these knobs: values grouped over G channels, as in KIVI."""
         return {
             "key_levels": self.levels(self.key_bits),

@@ -1,7 +1,7 @@
 """``ott``: OTT, Outlier Tokens Tracing (Su et al., "Accurate KV Cache Quantization with Outlier
 Tokens Tracing", ACL 2025).
 
-OTT is KIVI (KIVI's storage, :class:`kvbench.cache.kivi_layout.KIVILayout`) plus a small
+OTT is KIVI (KIVI's storage, :class:`kvbench.cache.kivi_layout.KIVILayer`) plus a small
 full-precision pool of *outlier tokens*, tracked per (layer, kv head) while decoding.
 
 Layout and quantizer (Sec. 3 "Quantization", following KIVI): keys per channel over groups of G
@@ -60,7 +60,7 @@ from typing import ClassVar
 
 import torch
 
-from kvbench.cache.kivi_layout import KIVILayout
+from kvbench.cache.kivi_layout import KIVILayer
 from kvbench.cache.layer import StoredTokens, cat_tokens, merge_held
 from kvbench.cache.outliers import EMPTY, Pool, place
 from kvbench.config import require
@@ -115,7 +115,7 @@ class OTTConfig(AffineCodesConfig):
         check_group("method.value_group_size", self.value_group_size, shape.head_dim, "head_dim")
 
 
-class OTTLayer(KIVILayout):
+class OTTLayer(KIVILayer):
     """KIVI's stores (``kq`` keys per channel over G tokens, ``k_res``/``v_res`` the full-precision
     tokens) with values per token over ``value_group_size`` channels, plus the outlier pools."""
 
