@@ -192,3 +192,17 @@ def test_a_new_task_is_plotted_and_its_metric_oriented_by_its_declaration(toyext
     assert paired.attrs["higher_is_better"] is False
     assert paired.loc["toy_half-2b", "mean_diff"] == pytest.approx(-0.5)
     assert math.isfinite(paired.loc["toy_half-2b", "ci_low"])
+
+
+def test_every_task_declares_its_primary_metric_and_no_two_disagree_on_a_direction():
+    # a metric looked up without its task takes the first declaration found: they must agree
+    directions: dict[str, set[bool]] = {}
+    for name in TASKS.names():
+        cls = TASKS.get(name)
+        assert cls.primary_metric in cls.metrics, name
+        for metric, declared in cls.metrics.items():
+            directions.setdefault(metric, set()).add(declared.higher_is_better)
+            assert declared.unit, f"{name}.{metric} declares no unit"
+    assert {m: d for m, d in directions.items() if len(d) > 1} == {}
+    assert not higher_is_better("ppl") and not higher_is_better("rel_err_by_layer.3")
+    assert higher_is_better("effective_bits")  # no task declares it
