@@ -206,3 +206,19 @@ def test_every_task_declares_its_primary_metric_and_no_two_disagree_on_a_directi
     assert {m: d for m, d in directions.items() if len(d) > 1} == {}
     assert not higher_is_better("ppl") and not higher_is_better("rel_err_by_layer.3")
     assert higher_is_better("effective_bits")  # no task declares it
+
+
+def test_model_shape_bad_input_is_one_line_naming_the_key():
+    from kvbench.config import build_config
+    from kvbench.errors import ConfigError
+    from kvbench.models import ModelConfig
+
+    node = {"name": "toy-model", "hub_id": "org/toy"}
+    assert build_config(ModelConfig, {**node, "shape": TOY_SHAPE}, "model").kv_bytes_per_token() == 4000
+    for shape, key in (
+        ({**TOY_SHAPE, "layers": 0}, "model.shape.layers"),
+        ({**TOY_SHAPE, "depth": 3}, "model.shape.depth"),
+        ({k: v for k, v in TOY_SHAPE.items() if k != "head_dim"}, "model.shape"),
+    ):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            build_config(ModelConfig, {**node, "shape": shape}, "model")
