@@ -310,8 +310,9 @@ def _compose(loader, config_name: str, overrides: list[str], build) -> DictConfi
         raise hydra_error(err, loader, config_name, overrides) from err
 
 
-def run_config(cfg: DictConfig) -> dict:
-    """The resolved config a job receives, without the ``hydra`` node."""
+def job_config(cfg: DictConfig) -> dict:
+    """The resolved config a job receives, without the ``hydra`` node (what
+    :func:`kvbench.run.run_config` then completes into the config a run stores and hashes)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf.errors import OmegaConfBaseException
 
@@ -382,7 +383,7 @@ def sweep_points(
         )
         if masters is not None:
             masters.append(master)
-        yield "", run_config(master)
+        yield "", job_config(master)
         return
     sweep = sweep_jobs(argv_overrides, config_name)
     if sweep is None:
@@ -392,7 +393,7 @@ def sweep_points(
         masters.append(master)
     for label, job in jobs:
         cfg = _compose(loader, config_name, job, lambda job=job: loader.load_sweep_config(master, job))
-        yield label, run_config(cfg)
+        yield label, job_config(cfg)
 
 
 # A sampling sweeper's search space up to this many points is checked point by point; a larger one

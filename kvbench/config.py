@@ -52,6 +52,35 @@ def to_plain(node: Any) -> Any:
     return node
 
 
+# Field metadata read by the run id (:func:`kvbench.results.canonical_config`); a config class
+# declares them on its own fields, so no table outside the class names them.
+INERT = "kvbench.inert"
+NOT_IN_RUN_ID = "kvbench.not_in_run_id"
+
+
+def inert(default: Any) -> Any:
+    """A field added after runs were stored, whose default computes what those runs computed: at
+    that default the key is left out of the run id, so they keep their ids (any other value is a
+    different run). ``default`` must be immutable (the field's default is compared by value)."""
+    return dataclasses.field(default=default, metadata={INERT: True})
+
+
+def not_in_run_id(default: Any = None) -> Any:
+    """A field that changes no sample (what a scheduler is asked for, what a cost estimate reads):
+    stored with the run's config, never part of its id."""
+    return dataclasses.field(default=default, metadata={NOT_IN_RUN_ID: True})
+
+
+def inert_defaults(cls: type) -> dict[str, Any]:
+    """``{field: default}`` of the fields of dataclass ``cls`` declared with :func:`inert`."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.metadata.get(INERT)}
+
+
+def run_id_excluded(cls: type) -> set[str]:
+    """The fields of dataclass ``cls`` declared with :func:`not_in_run_id`."""
+    return {f.name for f in dataclasses.fields(cls) if f.metadata.get(NOT_IN_RUN_ID)}
+
+
 def build_config(cls: type[C], node: Mapping[str, Any] | None, prefix: str) -> C:
     """``cls(**node)``, the node first checked against ``cls`` as a structured config; any error is
     a ConfigError under ``prefix.key``."""

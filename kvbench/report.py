@@ -18,9 +18,9 @@ metric, alpha, margin; defaults: fp16, the task's primary metric, 0.05, no margi
   difference with paired-bootstrap CI, sign-flip p, Holm-adjusted p, TOST at the margin, McNemar
   for binary metrics, verdict;
 - ``cliff.md/.csv``: the cliff bracket of each method family with a bit grid;
-- ``cliff_map.png``, ``memory_quality.png``, and for NIAH / PG19 hit-rate runs the heatmap /
-  hit-rate curves from ``kvbench.analysis.niah`` / ``kvbench.analysis.hitrate`` (skipped with a
-  note when those are not available).
+- ``cliff_map.png``, ``memory_quality.png``, and the figures the unit's task declares
+  (``Task.figures``: NIAH's heatmap, the PG-19 hit-rate curves; skipped with a note when a
+  declared function is not available).
 
 ``OUT/report.md`` gathers the plan, every table and the figure list; ``OUT/samples.csv`` is the
 whole frame. Bad input (no such DIR, no runs in it) prints one line and exits with status 2.
@@ -77,20 +77,18 @@ def _write_table(table: pd.DataFrame, path_stem: Path) -> None:
     atomic.write_text(path_stem.with_suffix(".md"), tables.to_markdown(table))
 
 
-def _save_optional(name: str, frame: pd.DataFrame, folder: Path, say) -> list[Path]:
-    """Run an optional figure function (NIAH heatmap, hit-rate curves); a missing module or
-    function is a note, a failure inside it a warning: neither stops the report."""
-    func = figures.optional_figure(name)
-    module, func_names = figures.OPTIONAL_FIGURES[name]
+def _save_optional(name: str, spec: str, frame: pd.DataFrame, folder: Path, say) -> list[Path]:
+    """Run a figure a task declares (``Task.figures``: name -> ``"module:function"``); a missing
+    module or function is a note, a failure inside it a warning: neither stops the report."""
+    func = figures.optional_figure(spec)
+    shown = spec.replace(":", ".")
     if func is None:
-        names = func_names if isinstance(func_names, str) else "/".join(func_names)
-        say(f"note: {module}.{names} is not available; {name} skipped")
+        say(f"note: {shown} is not available; {name} skipped")
         return []
-    func_name = func.__name__
     try:
         result = func(frame)
     except Exception as err:  # another module's figure must not take the whole report down
-        say(f"warning: {module}.{func_name} failed ({type(err).__name__}: {err}); {name} skipped")
+        say(f"warning: {shown} failed ({type(err).__name__}: {err}); {name} skipped")
         return []
     figs = result if isinstance(result, (list, tuple)) else [result]
     paths = []
@@ -98,6 +96,13 @@ def _save_optional(name: str, frame: pd.DataFrame, folder: Path, say) -> list[Pa
         stem = name if len(figs) == 1 else f"{name}_{i}"
         paths.append(figures.save(fig, folder / f"{stem}.png"))
     return paths
+
+
+def task_figures(task: str) -> dict[str, str]:
+    """The figures task ``task`` declares (``Task.figures``); none for a task not registered here."""
+    from kvbench.tasks import TASKS
+
+    return dict(TASKS.get(task).figures) if task in TASKS else {}
 
 
 def report_unit(
@@ -130,10 +135,8 @@ def report_unit(
             folder / "memory_quality.png",
         ),
     ]
-    if task == "niah":
-        figs += _save_optional("niah_heatmap", frame, folder, say)
-    if task == "pg19_hitrate":
-        figs += _save_optional("hitrate_curves", frame, folder, say)
+    for name, spec in task_figures(task).items():
+        figs += _save_optional(name, spec, frame, folder, say)
     for note in notes:
         say(f"note: {task}/{model}: {note}")
     return {

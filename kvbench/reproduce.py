@@ -41,42 +41,37 @@ Dry run (``--dry-run``). Every job of every selected node, in Hydra's basic-swee
 product of the node's ``hydra.sweeper.params`` and any ``--override`` sweep), each composed to find
 its run folder: jobs that map to one run (FP16 ignores ``bits``) are marked, and samples already
 stored are counted. Then a table per node: jobs, distinct runs, samples per job, samples still to
-run, and the estimated cost of what is left, with a total. Samples per job come from the task node
-(NIAH: lengths x depths; perplexity, PG-19 hit rate, attention probe: windows; GSM8K: the test
-set's 1319 or ``limit``), else the plan's declared ``analysis.n``.
+run, and the estimated cost of what is left, with a total. Samples per job are what the job's task
+declares for its config (``Task.planned_samples``: NIAH's lengths x depths, the windows of the
+windowed tasks, GSM8K's 1319 test problems, ``limit`` applied), else the plan's declared
+``analysis.n``.
 
 Cost estimate, seconds per sample, in this order:
 
 1. stored: the mean ``seconds`` of the node's stored rows for the same model and method label (its
    archive ``results/NAME/samples.csv.gz`` and the run folders under its ``output.root``), else for
    the same model in the node;
-2. a cost model of the work in one sample: ``T`` prompt tokens prefilled, ``S`` forward steps after
-   it (NIAH: ``T`` = context length, ``S`` = max_new_tokens; perplexity: ``T`` = context_length,
-   ``S`` = continuation_length / chunk; GSM8K: ``T`` = 1100 (lm-eval's 5-shot prompts, 1071-1118
-   tokens in results/gsm8k.md), ``S`` = 256, the generation cap, an upper bound; PG-19 hit rate:
-   ``T`` = context_length, ``S`` = decode_positions, times 75 for the simulation of every policy at
-   every measured position and layer (one 2048-token window took ~13 min where the prefill model
-   gives ~10 s); attention probe: ``T`` = context_length, ``S`` = steps (its note: 8-11 s per
-   1024-token window on this CPU, the model 6-8 s); other tasks: ``T`` = 1024, ``S`` = 32).
+2. a cost model of the work in one sample, as the task declares it (``Task.sample_work``, a
+   :class:`kvbench.tasks.Work`): ``T`` prompt tokens prefilled, ``S`` forward steps after it, the
+   mean cache length ``t`` of those steps, and a factor for work beyond them (the PG-19 hit rate
+   simulates every policy at every measured position and layer). A task that declares nothing
+   costs ``T`` = 1024, ``S`` = 32.
 
    CPU (the default model on this 2-core machine): ``5 s x T/1000 + 0.1 s x S``, fitted to the FP16
-   NIAH runs recorded here (12 s per 2K-token sample with 32 new tokens, results/foundation_niah.md;
-   7 s per 1K-token sample, results/specache_niah.md). A quantizing method costs 1.3x FP16 (the same
-   records: 133-147 s against 110 s), SpeCache 20x (its per-step prefetch, results/specache_niah.md),
-   ReadKV 3.5x (its query-adaptive reads: 30 s against 8 s per window in attention_probe's note).
-   Measured once more for this estimate: a 1K-token NIAH sample under ``nice -n 19`` beside a long
-   experiment took 68 s (the model says 7 s), and the records made beside other jobs show 3-10x
-   (semkv_cliff's note: ~33 s per 512-token sample; GSM8K at load 15-20: 150 s per problem), so
-   the dry run says so under a modelled CPU total.
+   NIAH runs recorded here (12 s per 2K-token sample with 32 new tokens, 7 s per 1K-token sample),
+   times the method's ``cost_cpu`` (a class attribute of its config: 1 for FP16, 1.3 by default,
+   more where the method says why). Measured once more for this estimate: a 1K-token NIAH sample
+   under ``nice -n 19`` beside a long experiment took 68 s (the model says 7 s), and the records
+   made beside other jobs show 3-10x, so the dry run says so under a modelled CPU total.
 
    GPU (the papers' 7-8B models in float16 on one A100/H100-class GPU, assumed, not measured):
    prefill ``(2 P T + 2 L d T^2) / 150 TFLOP/s`` (P parameters, L layers, d model width: the
    weights' and the causal attention's multiply-adds at about half of peak), each step
    ``max(25 ms, (2 P + k t) / 1.5 TB/s)`` (the float16 weights and the cache of ``t`` tokens, ``k``
-   bytes per token, read once per step; 25 ms is an eager-mode step's floor), a quantizing method
-   2x (its cache is read and dequantized by unfused torch code), SpeCache 4x (host prefetch each
-   step). Each run adds its model load (CPU 15 s, GPU 120 s). Shapes are in :data:`MODEL_SHAPES`;
-   a model not listed is taken from the ``NNb`` in its name with a 7B-class shape.
+   bytes per token, read once per step; 25 ms is an eager-mode step's floor), times the method's
+   ``cost_gpu`` (2 by default: its cache is read and dequantized by unfused torch code). Each run
+   adds its model load (CPU 15 s, GPU 120 s). P, L, d and k come from the model node's ``shape``; a
+   node without one is taken from the ``NNb`` in its name with a 7B-class shape.
 
 The CPU profile prints minutes, the paper profile GPU hours.
 """
@@ -104,7 +99,6 @@ PROFILES = ("cpu", "paper")
 # The folder under conf/experiment holding each profile's variants; None: the node itself.
 VARIANT_FOLDER = {"cpu": None, "paper": "paper"}
 DEFAULT_RUNS = "results/runs"
-GSM8K_TEST = 1319  # problems in GSM8K's test split
 
 # Cost model constants (see the module docstring).
 CPU_PREFILL_S_PER_KTOK = 5.0
@@ -114,21 +108,6 @@ GPU_FLOPS = 150e12
 GPU_BYTES_PER_S = 1.5e12
 GPU_STEP_FLOOR_S = 0.025
 GPU_RUN_OVERHEAD_S = 120.0
-TASK_FACTOR = {"pg19_hitrate": 75.0}
-METHOD_FACTOR = {
-    "cpu": {"fp16": 1.0, "specache": 20.0, "readkv": 3.5},
-    "paper": {"fp16": 1.0, "specache": 4.0},
-}
-DEFAULT_METHOD_FACTOR = {"cpu": 1.3, "paper": 2.0}
-# name: (parameters, layers, model width, float16 KV bytes per token)
-MODEL_SHAPES = {
-    "smollm2-135m": (1.35e8, 30, 576, 2 * 30 * 3 * 64 * 2),
-    "llama2-7b": (6.74e9, 32, 4096, 2 * 32 * 32 * 128 * 2),
-    "llama3-8b-instruct": (8.03e9, 32, 4096, 2 * 32 * 8 * 128 * 2),
-    "llama3.1-8b-instruct": (8.03e9, 32, 4096, 2 * 32 * 8 * 128 * 2),
-    "mistral-7b-instruct-v0.2": (7.24e9, 32, 4096, 2 * 32 * 8 * 128 * 2),
-    "mistral-7b-instruct-v0.3": (7.25e9, 32, 4096, 2 * 32 * 8 * 128 * 2),
-}
 
 
 class ReproduceError(Exception):
@@ -171,78 +150,72 @@ def config_name(node: str, profile: str, conf_dir: str | Path = CONF_DIR) -> str
 # -------------------------------------------------------------------------------------- samples
 
 
-def samples_per_job(config: dict[str, Any]) -> int:
-    """Samples one job runs, from its task node where the task's sample list is a function of its
-    config alone, else the experiment's declared ``analysis.n``."""
+def _task(config: dict[str, Any]):
+    """``(Task class, its built config)`` of the job's task node, or ``(None, None)`` for a node that
+    names no registered task."""
     from kvbench.config import build_config
     from kvbench.tasks import TASKS
 
-    task = dict(config.get("task") or {})
-    name = task.get("name")
+    node = dict(config.get("task") or {})
+    name = node.get("name")
+    if not isinstance(name, str) or name not in TASKS:
+        return None, None
+    cls = TASKS.get(name)
+    return cls, build_config(cls.Config, node, "task")
+
+
+def samples_per_job(config: dict[str, Any]) -> int:
+    """Samples one job runs: what its task declares for its config (``Task.planned_samples``), else
+    the experiment's declared ``analysis.n``."""
     declared = int((config.get("analysis") or {}).get("n") or 1)
-    if name not in ("niah", "perplexity", "pg19_hitrate", "attention_probe", "gsm8k") or name not in TASKS:
-        return declared
-    cfg = build_config(TASKS.get(name).Config, task, "task")
-    if name == "niah":
-        n = len(cfg.context_lengths) * len(cfg.depths)
-    elif name == "gsm8k":
-        n = GSM8K_TEST
-    else:
-        n = cfg.windows
-    return min(n, cfg.limit) if cfg.limit else n
+    cls, task = _task(config)
+    n = cls.planned_samples(task) if cls is not None else None
+    return declared if n is None else n
 
 
-def sample_work(config: dict[str, Any]) -> tuple[float, float, float]:
-    """``(T, S, t)``: prompt tokens prefilled, forward steps after the prefill, and the mean cache
-    length of those steps, for one sample (the cost model's input; see the module docstring)."""
-    task = config.get("task") or {}
-    name = task.get("name")
-    if name == "niah":
-        if task.get("grid") == "kamradt":
-            lo, hi = task.get("min_length", 1024), task.get("max_length") or 8192
-            prompt = (lo + hi) / 2
-        else:
-            lengths = list(task.get("context_lengths") or [1024])
-            prompt = sum(lengths) / len(lengths)
-        steps = task.get("max_new_tokens") or 32
-        return prompt, steps, prompt
-    if name == "perplexity":
-        context, cont = task.get("context_length", 512), task.get("continuation_length", 64)
-        return context, math.ceil(cont / max(1, task.get("chunk") or 1)), context + cont / 2
-    if name == "pg19_hitrate":
-        context = task.get("context_length", 2048)
-        return context, task.get("decode_positions") or 32, context
-    if name == "attention_probe":
-        context = task.get("context_length", 1024)
-        return context, task.get("steps") or 8, context
-    if name in ("gsm8k", "lmeval"):
-        return 1100, task.get("max_gen_toks") or 256, 1200
-    if name == "longbench":
-        prompt = task.get("max_prompt_tokens") or 3500
-        return prompt, 128, prompt
-    return 1024, 32, 1024
+def sample_work(config: dict[str, Any]):
+    """The work in one sample (:class:`kvbench.tasks.Work`: prompt tokens prefilled, forward steps
+    after the prefill, the mean cache length of those steps, a factor for work beyond them), as the
+    job's task declares it (``Task.sample_work``)."""
+    from kvbench.tasks import Work
+
+    cls, task = _task(config)
+    return cls.sample_work(task) if cls is not None else Work(1024, 32, 1024)
 
 
-def model_shape(name: str) -> tuple[float, int, int, int]:
-    if name in MODEL_SHAPES:
-        return MODEL_SHAPES[name]
-    size = re.search(r"(\d+(?:\.\d+)?)b\b", name.lower())
+def model_shape(model: dict[str, Any] | None) -> tuple[float, float, float, float]:
+    """``(parameters, layers, model width, float16 KV bytes per token)`` from the model node's
+    ``shape``; a node without one is taken from the ``NNb`` in its name with a 7B-class shape."""
+    from kvbench.config import build_config
+    from kvbench.models import ModelConfig
+
+    cfg = build_config(ModelConfig, model, "model")
+    if cfg.shape is not None:
+        shape = cfg.shape
+        return shape["parameters"], shape["layers"], shape["hidden_size"], cfg.kv_bytes_per_token()
+    size = re.search(r"(\d+(?:\.\d+)?)b\b", str(cfg.name).lower())
     params = float(size.group(1)) * 1e9 if size else 7e9
     return params, 32, 4096, 2 * 32 * 8 * 128 * 2
 
 
+def method_cost(config: dict[str, Any], profile: str) -> float:
+    """The job's method's seconds per sample against FP16's (``cost_cpu``/``cost_gpu`` of its config)."""
+    from kvbench.methods import build_method
+
+    method = build_method(config.get("method")).config
+    return method.cost_cpu if profile == "cpu" else method.cost_gpu
+
+
 def modelled_seconds(config: dict[str, Any], profile: str) -> float:
     """Seconds per sample from the cost model (module docstring)."""
-    prompt, steps, context = sample_work(config)
-    task = (config.get("task") or {}).get("name")
-    method = (config.get("method") or {}).get("name") or "fp16"
-    factor = TASK_FACTOR.get(task, 1.0) * METHOD_FACTOR[profile].get(method, DEFAULT_METHOD_FACTOR[profile])
+    work = sample_work(config)
+    factor = work.factor * method_cost(config, profile)
     if profile == "cpu":
-        return factor * (CPU_PREFILL_S_PER_KTOK * prompt / 1000 + CPU_STEP_S * steps)
-    params, layers, width, kv_bytes = model_shape(str((config.get("model") or {}).get("name")))
-    prefill = (2 * params * prompt + 2 * layers * width * prompt**2) / GPU_FLOPS
-    step = max(GPU_STEP_FLOOR_S, (2 * params + kv_bytes * context) / GPU_BYTES_PER_S)
-    return factor * (prefill + steps * step)
+        return factor * (CPU_PREFILL_S_PER_KTOK * work.prompt / 1000 + CPU_STEP_S * work.steps)
+    params, layers, width, kv_bytes = model_shape(config.get("model"))
+    prefill = (2 * params * work.prompt + 2 * layers * width * work.prompt**2) / GPU_FLOPS
+    step = max(GPU_STEP_FLOOR_S, (2 * params + kv_bytes * work.context) / GPU_BYTES_PER_S)
+    return factor * (prefill + work.steps * step)
 
 
 # ---------------------------------------------------------------------------------------- stored
@@ -387,7 +360,7 @@ def plan_node(
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from kvbench.__main__ import run_config, sweep_jobs
+    from kvbench.__main__ import job_config, sweep_jobs
     from kvbench.errors import ConfigError
 
     plan = NodePlan(node, profile)
@@ -415,7 +388,7 @@ def plan_node(
                     first = plan.jobs[0]
                     job.samples, job.seconds, job.source = first.samples, first.seconds, first.source
                     continue
-                config = run_config(loader.load_sweep_config(master, job.overrides))
+                config = job_config(loader.load_sweep_config(master, job.overrides))
                 job.samples = samples_per_job(config)
                 job.folder, job.method, job.model = _run_folder(config)
                 if compose:

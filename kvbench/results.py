@@ -23,7 +23,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from kvbench import atomic
-from kvbench.config import require
+from kvbench.config import inert_defaults, require, run_id_excluded
 
 # Keys that say where things are, not what is computed: left out of the run id.
 PATH_KEYS = {"output", "data", "hydra", "logger"}
@@ -34,19 +34,6 @@ NON_RUN_KEYS = PATH_KEYS | {"analysis", "objective"}
 
 def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-
-
-# Keys whose default value reproduces what runs made before the key existed computed.
-INERT_DEFAULTS: dict[str, dict[str, Any]] = {
-    "model": {"gguf": None},
-    "method": {
-        "calibration_data": "wikitext2",
-        "outlier_channels": 0,
-        "outlier_bits": None,
-        "sliding_windows": "full_precision",
-    },
-    "task": {"chat_template": "auto", "path": None, "text_field": "text", "offset": 0, "add_bos": False},
-}
 
 
 def _same(value: Any, default: Any) -> bool:
@@ -65,16 +52,19 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
     ``fp16`` inside a bit-width sweep is one run, not one per bit width.
     """
     core = {k: v for k, v in config.items() if k not in NON_RUN_KEYS}
-    if isinstance(core.get("model"), dict) and "resources" in core["model"]:
-        # What a scheduler is asked for changes no sample; runs made before the key existed keep their id.
-        core["model"] = {k: v for k, v in core["model"].items() if k != "resources"}
-    for node, defaults in INERT_DEFAULTS.items():
-        # keys added after runs were stored: at their default they change no sample, so they are left
-        # out and those runs keep their id (any other value is a different run)
-        if isinstance(core.get(node), dict):
-            core[node] = {
-                k: v for k, v in core[node].items() if not (k in defaults and _same(v, defaults[k]))
-            }
+    for part in ("model", "method", "task"):
+        cls = _declaring_config(part, core.get(part))
+        if cls is None:
+            continue
+        # what changes no sample (a scheduler's resources, the cost estimate's shape), and keys added
+        # after runs were stored, at the default that computes what those runs computed: both left
+        # out, so those runs keep their id (any other value of an inert key is a different run)
+        dropped, defaults = run_id_excluded(cls), inert_defaults(cls)
+        core[part] = {
+            k: v
+            for k, v in core[part].items()
+            if k not in dropped and not (k in defaults and _same(v, defaults[k]))
+        }
     method = core.get("method") or {"name": "fp16"}
     if isinstance(method, dict) and method.get("backend") == "auto":
         # auto stores the bytes torch stores and reads them up to float reassociation: the runs
@@ -91,6 +81,23 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
 
         core["packing_version"] = PACKING_VERSION
     return core
+
+
+def _declaring_config(part: str, node: Any) -> type | None:
+    """The dataclass whose fields declare what node ``part`` of a config holds (the model node's, or
+    the registered method's or task's config), or None for a node that names nothing registered."""
+    if not isinstance(node, dict):
+        return None
+    if part == "model":
+        from kvbench.models.config import ModelConfig
+
+        return ModelConfig
+    if part == "method":
+        from kvbench.methods import METHODS as registry
+    else:
+        from kvbench.tasks import TASKS as registry
+    name = node.get("name")
+    return registry.get(name).Config if isinstance(name, str) and name in registry else None
 
 
 def _packs_base_l(node: Any) -> bool:

@@ -8,7 +8,7 @@ import pytest
 from synthetic_runs import SAMPLES, SEEDS, score, write_runs
 
 from kvbench import report
-from kvbench.analysis import figures
+from kvbench.tasks import TASKS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -31,7 +31,7 @@ def test_report_writes_tables_and_figures(tmp_path, capsys, monkeypatch):
 
     fake.niah_heatmap = heatmap
     monkeypatch.setitem(sys.modules, "fake_niah", fake)
-    monkeypatch.setitem(figures.OPTIONAL_FIGURES, "niah_heatmap", ("fake_niah", "niah_heatmap"))
+    monkeypatch.setitem(TASKS.get("niah").figures, "niah_heatmap", "fake_niah:niah_heatmap")
 
     runs = write_runs(tmp_path / "runs")
     rc = report.main([str(runs), "--out", str(tmp_path / "out"), "--resamples", "300"])
@@ -55,7 +55,7 @@ def test_report_writes_tables_and_figures(tmp_path, capsys, monkeypatch):
 
 
 def test_missing_figure_owner_is_a_note(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(figures.OPTIONAL_FIGURES, "niah_heatmap", ("kvbench.analysis.no_such_module", "f"))
+    monkeypatch.setitem(TASKS.get("niah").figures, "niah_heatmap", "kvbench.analysis.no_such_module:f")
     runs = write_runs(tmp_path / "runs")
     assert report.main([str(runs), "--resamples", "200"]) == 0
     out = capsys.readouterr().out

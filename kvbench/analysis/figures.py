@@ -152,28 +152,18 @@ def memory_quality(
     return fig
 
 
-# Figures owned by the NIAH and hit-rate code: (module, function names tried in order). Each
-# function takes the sample frame (or its rows) and returns a Figure (or a list of Figures).
-OPTIONAL_FIGURES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "niah_heatmap": ("kvbench.analysis.niah", ("niah_heatmap", "plot_heatmap", "plot_niah")),
-    "hitrate_curves": ("kvbench.analysis.hitrate", ("hitrate_curves", "plot_hitrate")),
-}
-
-
-def optional_figure(name: str) -> Callable[[pd.DataFrame], Figure] | None:
-    """The figure function ``name`` from its owning module, or None when that module or function
-    does not exist (yet) in this checkout."""
-    module_name, func_names = OPTIONAL_FIGURES[name]
+def optional_figure(spec: str) -> Callable[[pd.DataFrame], Figure] | None:
+    """The figure function ``spec`` (``"module:function"``, as a task's ``figures`` declare it), or
+    None when that module or function does not exist in this checkout."""
+    module_name, _, func_name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name != module_name:
             raise
         return None
-    for func_name in (func_names,) if isinstance(func_names, str) else func_names:
-        if callable(getattr(module, func_name, None)):
-            return getattr(module, func_name)
-    return None
+    func = getattr(module, func_name, None)
+    return func if callable(func) else None
 
 
 def save(fig: Figure, path: str | Path, dpi: int = 120) -> Path:

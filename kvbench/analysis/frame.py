@@ -42,22 +42,6 @@ PLAN_DEFAULTS: dict[str, Any] = {
     "grid_key": "bits",
 }
 
-# Metrics where a smaller value is the better one; every other metric is higher-is-better.
-# ``rel_err``, ``rel_err_pooled`` and ``rel_err_by_layer.<layer>``: the attention_probe task's
-# attention-output errors.
-LOWER_IS_BETTER = {
-    "ppl",
-    "nll_mean",
-    "nll",
-    "loss",
-    "perplexity",
-    "error",
-    "rel_error",
-    "rel_err",
-    "rel_err_pooled",
-    "rel_err_by_layer",
-}
-
 IDENTITY_COLUMNS = [
     "run_id",
     "experiment",
@@ -89,10 +73,15 @@ _NOT_METRICS = {
 }
 
 
-def higher_is_better(metric: str) -> bool:
-    """Whether a larger value of ``metric`` is better (False for perplexity, nll and errors). A
-    dotted path into a dict column (``rel_err_by_layer.4``) goes the way of its column."""
-    return metric not in LOWER_IS_BETTER and metric.partition(".")[0] not in LOWER_IS_BETTER
+def higher_is_better(metric: str, task: str | None = None) -> bool:
+    """Whether a larger value of ``metric`` is better, as the task that reports it declares
+    (``Task.metrics``; ``task`` None: whichever registered task declares it). A dotted path into a
+    dict column (``rel_err_by_layer.4``) goes the way of its column; a metric no task declares
+    (``effective_bits``, a method's own statistic) is higher-is-better."""
+    from kvbench.tasks import declared_metric
+
+    declared = declared_metric(metric, task)
+    return True if declared is None else declared.higher_is_better
 
 
 def _is_nan(value: Any) -> bool:

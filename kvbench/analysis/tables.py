@@ -181,7 +181,10 @@ def paired_table(
     margin = plan.get("margin")
     margin = None if margin is None or (isinstance(margin, float) and math.isnan(margin)) else float(margin)
     hib = plan.get("higher_is_better")
-    hib = higher_is_better(metric) if hib is None else bool(hib)
+    if hib is None:
+        tasks = frame["task"].dropna().unique() if "task" in frame else []
+        hib = higher_is_better(metric, str(tasks[0]) if len(tasks) == 1 else None)
+    hib = bool(hib)
     data = frame.dropna(subset=[metric])
     ref_keys = set(zip(*(data.loc[data["method"] == reference, c] for c in PAIR_KEYS), strict=True))
     shares = {

@@ -15,7 +15,7 @@ Streaming rules, for l tokens arriving at once (prefill) or one at a time (decod
   quantized per token and appended to Q(X_Vg), so the newest R values stay in full precision.
 
 With ``backend=triton``, decode steps (one or two new tokens) skip the reconstruction in
-:meth:`KIVILayout.update` and attend through the fused kernel, which reads the packed codes
+:meth:`KIVILayer.update` and attend through the fused kernel, which reads the packed codes
 directly; the read rule is unchanged: stored tokens as they were before this forward, new tokens
 exact.
 """
@@ -32,7 +32,7 @@ from kvbench.quant.affine import zero_point_for
 from kvbench.quant.attention_ref import PackedKV
 
 
-class KIVILayout(CompositeLayer):
+class KIVILayer(CompositeLayer):
     """``key_levels``/``value_levels``: level counts; ``group_size``: tokens per key group;
     ``value_group``: channels per value group (KIVI: ``group_size``; None: the whole head);
     ``zero_point``: the user's choice, resolved per level count

@@ -4,6 +4,7 @@ keep a full-precision window of newest tokens. This module registers no method."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvbench.config import check_choice, require
 from kvbench.methods.base import MethodConfig, check_group, covers_context
@@ -28,13 +29,12 @@ def kv_bits_label(config) -> str:
 
 
 @dataclass
-class AffineKVConfig(FullPrecisionWindow, MethodConfig):
-    """KIVI's layout knobs (:class:`kvbench.cache.kivi_layout.KIVILayout`): ``group_size`` G (tokens
-    per key group, channels per value group), ``residual`` R (a multiple of G), ``key_bits`` and
-    ``value_bits`` (default: ``bits``) and the ``zero_point`` (``minmax``, or ``specache`` at 1 bit)."""
+class AffineCodesConfig(FullPrecisionWindow, MethodConfig):
+    """Affine key and value codes in KIVI's layout (:class:`kvbench.cache.kivi_layout.KIVILayer`)
+    behind a full-precision window: ``key_bits`` and ``value_bits`` (default: ``bits``) and the
+    ``zero_point`` (``minmax``, or ``specache`` at 1 bit). A subclass declares ``group_size`` G (tokens
+    per key group) and ``residual`` R (the window) with its own defaults and rules."""
 
-    group_size: int = 32
-    residual: int = 128
     key_bits: float | None = None
     value_bits: float | None = None
     zero_point: str = "minmax"
@@ -42,25 +42,34 @@ class AffineKVConfig(FullPrecisionWindow, MethodConfig):
     def __post_init__(self):
         super().__post_init__()
         check_choice("method.zero_point", self.zero_point, ZERO_POINTS)
-        require(
-            self.group_size > 0,
-            "method.group_size",
-            self.group_size,
-            "a positive integer",
-        )
+        require(self.group_size > 0, "method.group_size", self.group_size, self.group_size_rule)
+        self.resolve_kv_bits()
+
+    group_size_rule: ClassVar[str] = "a positive integer"
+
+
+@dataclass
+class AffineKVConfig(AffineCodesConfig):
+    """KIVI's layout knobs: ``group_size`` G (tokens per key group, channels per value group),
+    ``residual`` R (a multiple of G), with :class:`AffineCodesConfig`'s bits and zero point."""
+
+    group_size: int = 32
+    residual: int = 128
+
+    def __post_init__(self):
+        super().__post_init__()
         require(
             self.residual > 0 and self.residual % self.group_size == 0,
             "method.residual",
             self.residual,
             f"must be a positive multiple of method.group_size={self.group_size}",
         )
-        self.resolve_kv_bits()
 
     def check_model(self, shape):
         check_group("method.group_size", self.group_size, shape.head_dim, "head_dim")
 
     def layout(self, fp_dtype) -> dict:
-        """Keyword arguments of :class:`~kvbench.cache.kivi_layout.KIVILayout` (after the layer
+        """Keyword arguments of :class:`~kvbench.cache.kivi_layout.KIVILayer` (after the layer
         index) for these knobs: values grouped over G channels, as in KIVI."""
         return {
             "key_levels": self.levels(self.key_bits),

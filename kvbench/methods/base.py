@@ -10,7 +10,7 @@ import torch
 from kvbench.cache import KVBenchCache, KVLayer
 from kvbench.cache.sink import SinkLayer
 from kvbench.cache.sliding import SlidingWindowLayer
-from kvbench.config import DTYPES, build_config, check_choice, is_int, require
+from kvbench.config import DTYPES, build_config, check_choice, inert, is_int, require
 from kvbench.errors import ConfigError
 from kvbench.kernels.runtime import require_triton, triton_available
 from kvbench.models import ModelShape
@@ -61,7 +61,7 @@ class MethodConfig:
     fp_dtype: str = "float16"
     backend: str = "auto"
     sink_tokens: int = 0
-    sliding_windows: str = "full_precision"
+    sliding_windows: str = inert("full_precision")
 
     default_bits: ClassVar[float | None] = None
     # Bumped whenever the method's stored bytes or attention change for the same config: a version
@@ -71,6 +71,11 @@ class MethodConfig:
     # The backends a method implements; a method with only the torch reference sets ("torch",).
     backends: ClassVar[tuple[str, ...]] = BACKENDS
     bits_knob: ClassVar[str | None] = "bits"
+    # Seconds per sample against FP16's on the same work, for the cost estimate of ``python -m
+    # kvbench.reproduce --dry-run``: on this CPU (the FP16 and quantized NIAH records here: 133-147 s
+    # against 110 s) and on a GPU (unfused torch code reads and dequantizes the cache; assumed).
+    cost_cpu: ClassVar[float] = 1.3
+    cost_gpu: ClassVar[float] = 2.0
 
     def __post_init__(self):
         check_choice("method.fp_dtype", self.fp_dtype, (*DTYPES, "auto"))

@@ -22,6 +22,8 @@ class FP16Config(MethodConfig):
     name: str = "fp16"
 
     bits_knob: ClassVar[str | None] = None  # nothing is quantized: the run's bits change nothing
+    cost_cpu: ClassVar[float] = 1.0  # the unit of every other method's cost
+    cost_gpu: ClassVar[float] = 1.0
 
 
 class FullPrecisionLayer(KVLayer):

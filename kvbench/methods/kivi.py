@@ -20,7 +20,7 @@ reconstruct the midpoints of the lower and upper half of [min, max]; at more bit
 
 Layout and streaming rules (KIVI Sec. 3.2, Algorithm 1): keys per channel over groups of G
 consecutive tokens, values per token over groups of G channels, a full-precision residual of up to R
-tokens; the storage is :class:`kvbench.cache.kivi_layout.KIVILayout`, whose docstring states the
+tokens; the storage is :class:`kvbench.cache.kivi_layout.KIVILayer`, whose docstring states the
 flush rules.
 
 Defaults follow the paper: G = 32, R = 128. ``key_bits``/``value_bits`` default to ``bits``.
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvbench.cache.kivi_layout import KIVILayout
+from kvbench.cache.kivi_layout import KIVILayer
 from kvbench.config import check_choice, require
 from kvbench.methods.affine_base import AffineKVConfig, kv_bits_label
 from kvbench.methods.base import Method, register_method
@@ -63,7 +63,7 @@ class KIVI(Method):
 
     def make_layer(self, layer_idx, shape, model_dtype):
         layout = self.config.layout(self.config.torch_fp_dtype(model_dtype))
-        return KIVILayout(layer_idx, **layout, arithmetic=self.config.arithmetic)
+        return KIVILayer(layer_idx, **layout, arithmetic=self.config.arithmetic)
 
     def base_label(self) -> str:
         zp = "-specache0" if self.config.zero_point == "specache" else ""

@@ -56,7 +56,7 @@ import torch
 from kvbench.cache import KVLayer
 from kvbench.cache.dense_sparse import DenseSparseTokens
 from kvbench.cache.layer import StoredTokens
-from kvbench.config import check_choice, require
+from kvbench.config import check_choice, inert, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, register_method
 from kvbench.methods.kvquant_calibration import LayerCalibration, calibrate, calibrate_layer
@@ -77,7 +77,7 @@ class KVQuantConfig(MethodConfig):
     sink: bool = True
     calibrate: bool = True
     calibration_tokens: int = 2048
-    calibration_data: str = "wikitext2"
+    calibration_data: str = inert("wikitext2")
     sensitivity_weighted: bool = False
 
     backends: ClassVar[tuple[str, ...]] = ("torch",)

@@ -1,7 +1,7 @@
 """``ott``: OTT, Outlier Tokens Tracing (Su et al., "Accurate KV Cache Quantization with Outlier
 Tokens Tracing", ACL 2025).
 
-OTT is KIVI (KIVI's storage, :class:`kvbench.cache.kivi_layout.KIVILayout`) plus a small
+OTT is KIVI (KIVI's storage, :class:`kvbench.cache.kivi_layout.KIVILayer`) plus a small
 full-precision pool of *outlier tokens*, tracked per (layer, kv head) while decoding.
 
 Layout and quantizer (Sec. 3 "Quantization", following KIVI): keys per channel over groups of G
@@ -60,18 +60,17 @@ from typing import ClassVar
 
 import torch
 
-from kvbench.cache.kivi_layout import KIVILayout
+from kvbench.cache.kivi_layout import KIVILayer
 from kvbench.cache.layer import StoredTokens, cat_tokens, merge_held
 from kvbench.cache.outliers import EMPTY, Pool, place
-from kvbench.config import check_choice, require
-from kvbench.methods.affine_base import FullPrecisionWindow, kv_bits_label
-from kvbench.methods.base import Method, MethodConfig, check_group, register_method
-from kvbench.quant.affine import ZERO_POINTS
+from kvbench.config import require
+from kvbench.methods.affine_base import AffineCodesConfig, kv_bits_label
+from kvbench.methods.base import Method, check_group, register_method
 from kvbench.quant.blockwise import ConcatSource, FullPrecisionSource
 
 
 @dataclass
-class OTTConfig(FullPrecisionWindow, MethodConfig):
+class OTTConfig(AffineCodesConfig):
     name: str = "ott"
     group_size: int = 128
     value_group_size: int | None = 32
@@ -79,24 +78,17 @@ class OTTConfig(FullPrecisionWindow, MethodConfig):
     pool_size: int = 3
     skip_layers: int = 2
     extra_pool_size: int = 32
-    key_bits: float | None = None
-    value_bits: float | None = None
-    zero_point: str = "minmax"
 
     default_bits: ClassVar[float] = 2.0
     # Triton's fused KIVI decode reads the quantized store and the residual window only; it knows
     # nothing of the outlier pools, so on that backend OTT would silently lose them.
     backends: ClassVar[tuple[str, ...]] = ("torch",)
+    group_size_rule: ClassVar[str] = (
+        "a positive integer: tokens per quantization step (key channel-group length)"
+    )
 
     def __post_init__(self):
         super().__post_init__()
-        check_choice("method.zero_point", self.zero_point, ZERO_POINTS)
-        require(
-            self.group_size > 0,
-            "method.group_size",
-            self.group_size,
-            "a positive integer: tokens per quantization step (key channel-group length)",
-        )
         require(
             self.value_group_size is None or self.value_group_size > 0,
             "method.value_group_size",
@@ -118,13 +110,12 @@ class OTTConfig(FullPrecisionWindow, MethodConfig):
         for key in ("skip_layers", "extra_pool_size"):
             value = getattr(self, key)
             require(value >= 0, f"method.{key}", value, "a non-negative integer")
-        self.resolve_kv_bits()
 
     def check_model(self, shape):
         check_group("method.value_group_size", self.value_group_size, shape.head_dim, "head_dim")
 
 
-class OTTLayer(KIVILayout):
+class OTTLayer(KIVILayer):
     """KIVI's stores (``kq`` keys per channel over G tokens, ``k_res``/``v_res`` the full-precision
     tokens) with values per token over ``value_group_size`` channels, plus the outlier pools."""
 

@@ -109,6 +109,8 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
     # 2: codes stored as bit planes (same values and attention, other bytes)
     version: ClassVar[int] = 2
     default_bits: ClassVar[float] = 8.0
+    # the query-adaptive reads: 30 s against 8 s per window in attention_probe's CPU records
+    cost_cpu: ClassVar[float] = 3.5
     bits_knob: ClassVar[str | None] = "read_bits"  # the run's bits set the read budget, not B
 
     def __post_init__(self):
@@ -170,10 +172,6 @@ def grouped_codes(codes, scale, zero, axis: str, group: int) -> Codes:
     scale = scale.float()
     rms = scale.pow(2).mean(dim).sqrt()
     return Codes(codes, scale.repeat_interleave(group, dim), zero.float().repeat_interleave(group, dim), rms)
-
-
-def expanded_codes(store: BitPlaneTokens) -> Codes:
-    return grouped_codes(store.codes(), store.scale, store.zero, store.axis, store.group_size)
 
 
 def budgets(read_bits: float, key_share: float, head_dim: int, tokens: int) -> tuple[int, int]:

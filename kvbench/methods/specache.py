@@ -2,7 +2,7 @@
 Generation of LLMs", ICML 2025, arXiv 2503.16163).
 
 The full-precision (FP16) KV cache ``C`` of every layer lives in host memory; the accelerator keeps a
-low-bit copy ``C'`` (KIVI's layout, :class:`kvbench.cache.kivi_layout.KIVILayout`: per-channel keys
+low-bit copy ``C'`` (KIVI's layout, :class:`kvbench.cache.kivi_layout.KIVILayer`: per-channel keys
 and per-token values in groups of G, an FP16 residual of the newest R tokens) and, for each decode step,
 the k FP16 pairs ``C_K`` fetched for it.
 
@@ -67,7 +67,7 @@ from typing import ClassVar
 import torch
 
 from kvbench.cache import KVBenchCache
-from kvbench.cache.kivi_layout import KIVILayout
+from kvbench.cache.kivi_layout import KIVILayer
 from kvbench.cache.layer import StoredTokens, merge_held
 from kvbench.cache.sliding import SlidingWindowLayer
 from kvbench.config import require
@@ -92,6 +92,9 @@ class SpeCacheConfig(AffineKVConfig):
     speculative: bool = True
 
     default_bits: ClassVar[float] = 1.0
+    # the per-step prefetch: 20x FP16 in specache_niah's CPU records; host prefetch each step on a GPU
+    cost_cpu: ClassVar[float] = 20.0
+    cost_gpu: ClassVar[float] = 4.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -232,7 +235,7 @@ class TopKScores(LogitObserver):
         return self.scores[..., :candidates].topk(k, dim=-1).indices
 
 
-class SpeCacheLayer(KIVILayout):
+class SpeCacheLayer(KIVILayer):
     """KIVI storage on the accelerator, the FP16 cache on the host, and the prefetched rows."""
 
     def __init__(self, layer_idx, cfg: SpeCacheConfig, fp_dtype):

@@ -66,7 +66,7 @@ import torch
 from kvbench.cache.composite import CompositeLayer
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.rotated import ChannelSplitCodes, HeadRotations, RotatedCodes
-from kvbench.config import is_int, require
+from kvbench.config import inert, is_int, require
 from kvbench.methods.affine_base import FullPrecisionWindow, kv_bits_label
 from kvbench.methods.base import Method, MethodConfig, register_method
 
@@ -78,8 +78,8 @@ class TurboQuantConfig(FullPrecisionWindow, MethodConfig):
     value_bits: float | None = None
     seed: int = 0
     residual: int = 0
-    outlier_channels: int = 0
-    outlier_bits: float | None = None
+    outlier_channels: int = inert(0)
+    outlier_bits: float | None = inert(None)
 
     backends: ClassVar[tuple[str, ...]] = ("torch",)
     default_bits: ClassVar[float] = 2.0

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kvbench import paths
-from kvbench.config import model_name_from
+from kvbench.config import inert, model_name_from, not_in_run_id
 from kvbench.errors import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -17,6 +17,10 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+# The keys of a model node's ``shape``: parameter count, decoder layers, model width, KV heads and
+# the head dimension.
+SHAPE_KEYS = ("parameters", "layers", "hidden_size", "kv_heads", "head_dim")
 
 
 @dataclass
@@ -38,13 +42,16 @@ class ModelConfig:
     :mod:`kvbench.config`), so nothing of the default node describes another model.
     ``reference_hub_id`` is documentation only: where the original (unquantized) weights live.
     ``resources`` (``gpus``, ``cpus``, ``mem_gb``) is what one run asks a Slurm launcher for; it
-    changes no result, so the run id leaves it out.
+    changes no result, so the run id leaves it out. ``shape`` (:data:`SHAPE_KEYS`: parameters,
+    layers, hidden_size, kv_heads, head_dim) is the node's model geometry, read by the cost
+    estimate of ``python -m kvbench.reproduce --dry-run`` before any weights are at hand; it is
+    not part of the run id either (what runs is read from the weights).
     """
 
     name: str | None = None
     hub_id: str | None = None
     path: str | None = None
-    gguf: str | None = None
+    gguf: str | None = inert(None)
     gguf_package: str | None = None
     gguf_file: str | None = None
     dtype: str = "float32"
@@ -52,7 +59,8 @@ class ModelConfig:
     weights_note: str = ""
     revision: str | None = None
     reference_hub_id: str | None = None
-    resources: dict[str, int] | None = None
+    resources: dict[str, int] | None = not_in_run_id()
+    shape: dict[str, float] | None = not_in_run_id()
 
     def __post_init__(self) -> None:
         self._check_source()
@@ -77,6 +85,7 @@ class ModelConfig:
                 "model.max_context", self.max_context, "a positive integer, or null for the model's own"
             )
         self._check_resources()
+        self._check_shape()
 
     def _check_resources(self) -> None:
         allowed = ("gpus", "cpus", "mem_gb")
@@ -87,6 +96,27 @@ class ModelConfig:
                 )
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"model.resources.{key}", value, "a non-negative integer")
+
+    def _check_shape(self) -> None:
+        if self.shape is None:
+            return
+        missing = [k for k in SHAPE_KEYS if k not in self.shape]
+        for key, value in self.shape.items():
+            if key not in SHAPE_KEYS:
+                allowed = ", ".join(SHAPE_KEYS)
+                raise ConfigError(f"model.shape.{key}", value, f"unknown key; allowed: {allowed}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"model.shape.{key}", value, "a positive number")
+        if missing:
+            raise ConfigError("model.shape", self.shape, f"needs {', '.join(missing)} as well")
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 2) -> float | None:
+        """Bytes one token's keys and values take over every layer (float16 by default); None
+        without a ``shape``."""
+        if self.shape is None:
+            return None
+        s = self.shape
+        return 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * bytes_per_value
 
     def _check_source(self) -> None:
         """Exactly one weights source, unless ``path`` or ``gguf`` overrides whatever the node names."""

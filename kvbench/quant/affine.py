@@ -261,6 +261,10 @@ def fake_quantize_grouped(
     param_dtype: torch.dtype | None = torch.float16,
     arithmetic: str = "fp32",
 ) -> torch.Tensor:
-    """Quantize then dequantize: float32 ``[..., T, D]``, what attention would see from the cache."""
+    """Quantize then dequantize: float32 ``[..., T, D]``, what attention would see from the cache.
+
+    No cache calls it (the stores keep the codes and dequantize on read): it is the reference the
+    method, task and kernel tests compare the stores' reads with, kept beside the two functions it
+    composes so that a change to either changes the reference with it."""
     codes, scale, zero = quantize_grouped(x, levels, axis, group_size, zero_point, param_dtype, arithmetic)
     return dequantize_grouped(codes, scale, zero, axis, group_size)

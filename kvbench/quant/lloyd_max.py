@@ -162,15 +162,6 @@ def lloyd_max_codebook(
     return c, boundaries
 
 
-def codebook_mse(levels: int, dim: int) -> float:
-    """Expected squared error of one coordinate under the codebook, E t^2 - sum_i p_i c_i^2 (the
-    conditional-mean property makes the cross terms vanish); times d it is E||u - u_hat||^2."""
-    c, _ = lloyd_max_codebook(levels, dim)
-    f = _SphereCoordinate(dim)
-    e = _edges(np.asarray(c))
-    return float(1 / dim - (f.mass(e[:-1], e[1:]) * c * c).sum())
-
-
 def quantize_scalar(y: torch.Tensor, centroids: torch.Tensor | np.ndarray) -> torch.Tensor:
     """Index of the nearest centroid for every element of ``y`` (uint8, same shape).
 

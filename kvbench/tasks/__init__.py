@@ -3,10 +3,28 @@
 import importlib
 import pkgutil
 
-from kvbench.tasks.base import TASKS, Task, TaskConfig, build_task, register_task
+from kvbench.tasks.base import (
+    TASKS,
+    Metric,
+    Task,
+    TaskConfig,
+    Work,
+    build_task,
+    declared_metric,
+    register_task,
+)
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":
         importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["TASKS", "Task", "TaskConfig", "build_task", "register_task"]
+__all__ = [
+    "TASKS",
+    "Metric",
+    "Task",
+    "TaskConfig",
+    "Work",
+    "build_task",
+    "declared_metric",
+    "register_task",
+]

@@ -58,7 +58,7 @@ from kvbench.cache import memory_report
 from kvbench.cache.capture import AttentionRecord, capture_attention, replay
 from kvbench.config import check_choice, is_int, require
 from kvbench.errors import ConfigError
-from kvbench.tasks.base import Task, TaskConfig, register_task
+from kvbench.tasks.base import Metric, Task, TaskConfig, Work, limited, register_task
 from kvbench.tasks.perplexity import data_file, load_text
 
 DATASETS = ("pg19", "wikitext2")
@@ -163,6 +163,19 @@ class AttentionProbeConfig(TaskConfig):
 class AttentionProbe(Task):
     Config = AttentionProbeConfig
     primary_metric = "rel_err"
+    metrics = {
+        "rel_err": Metric(False, "relative L2 error of the attention output, mean over heads"),
+        "rel_err_pooled": Metric(False, "relative L2 error of the attention output, pooled over heads"),
+        "rel_err_by_layer": Metric(False, "relative L2 error of the attention output per layer"),
+    }
+
+    @classmethod
+    def planned_samples(cls, config: AttentionProbeConfig) -> int:
+        return limited(config.windows, config)
+
+    @classmethod
+    def sample_work(cls, config: AttentionProbeConfig) -> Work:
+        return Work(config.context_length, config.steps, config.context_length)
 
     def __init__(self, config: AttentionProbeConfig, data_root: Path, seed: int = 0):
         super().__init__(config, data_root, seed)

@@ -14,6 +14,29 @@ TASKS: Registry[type[Task]] = Registry("task")
 register_task = TASKS.register
 
 
+@dataclass(frozen=True)
+class Metric:
+    """What one of a task's metrics means: whether a larger value is the better one (the paired
+    tables and the claims orient every difference by it, as lm-eval's ``higher_is_better``) and its
+    unit, in words."""
+
+    higher_is_better: bool = True
+    unit: str = ""
+
+
+@dataclass(frozen=True)
+class Work:
+    """The work in one sample, what the cost estimate of ``python -m kvbench.reproduce --dry-run``
+    prices: ``prompt`` tokens prefilled, ``steps`` forward steps after the prefill, ``context`` the
+    mean cache length over those steps, and ``factor`` the sample's work beyond that prefill and
+    those steps, as a multiple of them (a task that simulates more than it decodes)."""
+
+    prompt: float
+    steps: float
+    context: float
+    factor: float = 1.0
+
+
 @dataclass
 class TaskConfig:
     """Fields every task has. ``version`` changes whenever scoring changes (it is part of the run
@@ -41,7 +64,26 @@ class Task:
 
     Config: ClassVar[type[TaskConfig]] = TaskConfig
     primary_metric: ClassVar[str] = "score"
+    # Every metric a row or the aggregate reports, with its direction and unit; a dict-valued one
+    # (``rel_err_by_layer``) covers its entries (``rel_err_by_layer.4``).
+    metrics: ClassVar[dict[str, Metric]] = {"score": Metric(True, "fraction of the samples")}
+    # The report's figures of this task beyond the cliff map and memory against quality: name ->
+    # ``"module:function"``, a function of the task's sample frame returning a Figure or a list.
+    figures: ClassVar[dict[str, str]] = {}
     registered_name: ClassVar[str]
+
+    @classmethod
+    def planned_samples(cls, config: TaskConfig) -> int | None:
+        """How many samples one run of ``config`` scores, where the config alone fixes it (no data
+        read), ``limit`` applied; None where only the data knows (the estimate then takes the
+        experiment's declared ``analysis.n``)."""
+        return None
+
+    @classmethod
+    def sample_work(cls, config: TaskConfig) -> Work:
+        """The work in one sample of ``config`` (:class:`Work`), for the cost estimate. Default: a
+        1024-token prompt and 32 steps."""
+        return Work(1024, 32, 1024)
 
     def __init__(self, config: TaskConfig, data_root: Path, seed: int = 0):
         self.config, self.data_root, self.seed = config, data_root, seed
@@ -73,6 +115,24 @@ class Task:
         """Task-level metrics from the finished rows (default: mean of the primary metric)."""
         values = [r[self.primary_metric] for r in rows if r.get(self.primary_metric) is not None]
         return {self.primary_metric: sum(values) / len(values) if values else float("nan"), "n": len(values)}
+
+
+def limited(n: int, config: TaskConfig) -> int:
+    """``n`` samples under the config's ``limit``."""
+    return min(n, config.limit) if config.limit else n
+
+
+def declared_metric(metric: str, task: str | None = None) -> Metric | None:
+    """The declaration of ``metric`` (a dotted path such as ``rel_err_by_layer.4`` goes the way of
+    its column) by ``task``, or by whichever registered task declares it when ``task`` is None or not
+    registered; None when none does."""
+    column = metric.partition(".")[0]
+    owners = [TASKS.get(task)] if task in TASKS else [TASKS.get(n) for n in TASKS.names()]
+    for owner in owners:
+        found = owner.metrics.get(metric) or owner.metrics.get(column)
+        if found is not None:
+            return found
+    return None
 
 
 def build_task(node: dict[str, Any], data_root: Path, seed: int) -> Task:

@@ -34,12 +34,13 @@ from typing import Any
 from kvbench.config import check_choice
 from kvbench.data import require_file
 from kvbench.errors import ConfigError
-from kvbench.tasks.base import register_task
+from kvbench.tasks.base import limited, register_task
 from kvbench.tasks.lmeval_task import LMEvalBase, LMEvalCommonConfig, task_manager
 
 VARIANTS = ("gsm8k", "gsm8k_cot", "gsm8k_cot_zeroshot")
 SOURCES = ("auto", "local", "hub")
 TEST_FILE, TRAIN_FILE = "gsm8k/test.jsonl", "gsm8k/train.jsonl"
+TEST_PROBLEMS = 1319  # problems in the test split
 
 
 def gold_answer(answer: str) -> str:
@@ -69,6 +70,10 @@ class GSM8KConfig(LMEvalCommonConfig):
 @register_task("gsm8k")
 class GSM8K(LMEvalBase):
     Config = GSM8KConfig
+
+    @classmethod
+    def planned_samples(cls, config: GSM8KConfig) -> int:
+        return limited(TEST_PROBLEMS, config)
 
     def task_names(self) -> list[str]:
         return [self.config.variant]

@@ -33,7 +33,7 @@ from typing import Any
 
 from kvbench.config import require
 from kvbench.errors import ConfigError
-from kvbench.tasks.base import Task, TaskConfig, register_task
+from kvbench.tasks.base import Metric, Task, TaskConfig, Work, register_task
 
 LM_EVAL_FEWSHOT_SEED = 1234  # lm-eval's default --fewshot_seed
 
@@ -156,6 +156,13 @@ class LMEvalBase(Task):
     """Shared machinery; subclasses say which lm-eval tasks, with which config overrides."""
 
     primary_metric = "score"
+    metrics = {"score": Metric(True, "the lm-eval task's first metric, mean over documents")}
+
+    @classmethod
+    def sample_work(cls, config: LMEvalCommonConfig) -> Work:
+        # lm-eval's 5-shot GSM8K prompts are 1071-1118 tokens on the default model; 256 new tokens is the
+        # generation cap, an upper bound
+        return Work(1100, config.max_gen_toks or 256, 1200)
 
     def __init__(self, config: LMEvalCommonConfig, data_root: Path, seed: int = 0):
         super().__init__(config, data_root, seed)

@@ -72,10 +72,10 @@ from typing import Any
 
 import torch
 
-from kvbench.config import check_choice, require
+from kvbench.config import check_choice, inert, require
 from kvbench.data import parse_json_lines, read_json, read_json_lines, require_file
 from kvbench.errors import ConfigError
-from kvbench.tasks.base import Task, TaskConfig, register_task
+from kvbench.tasks.base import Metric, Task, TaskConfig, Work, register_task
 from kvbench.tasks.longbench_metrics import CODE_SIM_BACKENDS, score_sample
 from kvbench.tasks.niah import CHAT_TEMPLATE_MODES, prompt_format
 
@@ -159,7 +159,7 @@ class LongBenchConfig(TaskConfig):
     limit_per_task: int | None = None
     max_new_tokens_cap: int | None = None
     code_sim_backend: str = "levenshtein"
-    chat_template: str = "auto"
+    chat_template: str = inert("auto")
 
     def __post_init__(self):
         super().__post_init__()
@@ -310,6 +310,12 @@ def _mean(values: Sequence[float]) -> float:
 class LongBench(Task):
     Config = LongBenchConfig
     primary_metric = "score"
+    metrics = {"score": Metric(True, "LongBench's per-task metric, in [0, 1] per sample")}
+
+    @classmethod
+    def sample_work(cls, config: LongBenchConfig) -> Work:
+        # 128 new tokens: the middle of the tasks' generation caps
+        return Work(config.max_prompt_tokens, 128, config.max_prompt_tokens)
 
     def __init__(self, config: LongBenchConfig, data_root: Path, seed: int = 0):
         super().__init__(config, data_root, seed)

@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbench.config import check_choice, require
+from kvbench.config import check_choice, inert, require
 from kvbench.data import missing_file, read_text
 from kvbench.errors import ConfigError
-from kvbench.tasks.base import Task, TaskConfig, register_task
+from kvbench.tasks.base import Metric, Task, TaskConfig, Work, limited, register_task
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -182,7 +182,7 @@ class NIAHConfig(TaskConfig):
     haystack_order: str = "seeded"
     buffer: int = 200
     max_new_tokens: int = 32
-    chat_template: str = "auto"
+    chat_template: str = inert("auto")
 
     def __post_init__(self):
         super().__post_init__()
@@ -245,6 +245,21 @@ def sample_id(length: int, depth: float) -> str:
 class NIAH(Task):
     Config = NIAHConfig
     primary_metric = "score"
+    metrics = {"score": Metric(True, "fraction of the needle's key phrases recalled")}
+    figures = {"niah_heatmap": "kvbench.analysis.niah:niah_heatmap"}
+
+    @classmethod
+    def planned_samples(cls, config: NIAHConfig) -> int:
+        return limited(len(config.context_lengths) * len(config.depths), config)
+
+    @classmethod
+    def sample_work(cls, config: NIAHConfig) -> Work:
+        # the kamradt grid's mean length is taken as the midpoint of its range
+        if config.grid == "kamradt":
+            prompt = (config.min_length + config.max_length) / 2
+        else:
+            prompt = sum(config.context_lengths) / len(config.context_lengths)
+        return Work(prompt, config.max_new_tokens, prompt)
 
     def __init__(self, config: NIAHConfig, data_root: Path, seed: int = 0):
         super().__init__(config, data_root, seed)

@@ -76,7 +76,7 @@ from typing import Any
 
 import torch
 
-from kvbench.config import check_choice, is_int, require
+from kvbench.config import check_choice, inert, is_int, require
 from kvbench.data import (
     CORPUS_SUFFIXES,
     RECORD_SUFFIXES,
@@ -88,7 +88,7 @@ from kvbench.data import (
     resolve_corpus_path,
 )
 from kvbench.errors import ConfigError
-from kvbench.tasks.base import Task, TaskConfig, register_task
+from kvbench.tasks.base import Metric, Task, TaskConfig, Work, limited, register_task
 
 DATASETS = ("wikitext2", "pg19", "c4", "text")
 PATH_DATASETS = ("text", "c4")  # the datasets that read task.path
@@ -179,11 +179,6 @@ def c4_local_file(data_root: Path, path: str | None = None) -> Path | None:
             "task.path", None, f"{len(shards)} C4 shards under {folder} ({names}) and no {C4_SHARD}; name one"
         )
     return shards[0] if shards else None
-
-
-def read_c4_documents(path: Path, n: int, field: str = "text") -> list[str]:
-    """The ``field`` of the first ``n`` documents of a C4 shard (JSON lines, gzipped or not, or parquet)."""
-    return read_documents(path, field, limit=n, key="data.root")
 
 
 def hub_c4_documents(n: int) -> list[str]:
@@ -323,12 +318,12 @@ class PerplexityConfig(TaskConfig):
     name: str = "perplexity"
     version: int = 2
     dataset: str = "wikitext2"
-    path: str | None = None
-    text_field: str = "text"
+    path: str | None = inert(None)
+    text_field: str = inert("text")
     pg19_book: str | list[str] = "10146"
     c4_documents: int = 1100
-    offset: int | str = 0
-    add_bos: bool = False
+    offset: int | str = inert(0)
+    add_bos: bool = inert(False)
     context_length: int = 512
     continuation_length: int = 64
     windows: int = 4
@@ -381,6 +376,20 @@ class PerplexityConfig(TaskConfig):
 class Perplexity(Task):
     Config = PerplexityConfig
     primary_metric = "ppl"
+    metrics = {
+        "ppl": Metric(False, "perplexity of the continuation tokens"),
+        "nll_mean": Metric(False, "nats per continuation token"),
+    }
+
+    @classmethod
+    def planned_samples(cls, config: PerplexityConfig) -> int:
+        return limited(config.windows, config)
+
+    @classmethod
+    def sample_work(cls, config: PerplexityConfig) -> Work:
+        # the continuation is scored ``chunk`` tokens per forward step
+        context, cont = config.context_length, config.continuation_length
+        return Work(context, math.ceil(cont / max(1, config.chunk)), context + cont / 2)
 
     def __init__(self, config: PerplexityConfig, data_root: Path, seed: int = 0):
         super().__init__(config, data_root, seed)

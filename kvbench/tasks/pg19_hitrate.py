@@ -67,7 +67,7 @@ from kvbench.config import check_choice, is_int, is_number, require
 from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape, build_method
 from kvbench.quant.affine import ZERO_POINTS, levels_for_bits
-from kvbench.tasks.base import Task, TaskConfig, register_task
+from kvbench.tasks.base import Metric, Task, TaskConfig, Work, limited, register_task
 from kvbench.tasks.perplexity import data_file, load_text
 
 POLICIES = ("exact_topk", "h2o", "specache")
@@ -402,6 +402,21 @@ def layer_hit_rates(cap: Captured, layer: int, cfg: HitRateConfig) -> dict[str, 
 class PG19HitRate(Task):
     Config = HitRateConfig
     primary_metric = "hit_rate"
+    metrics = {
+        "hit_rate": Metric(True, "share of the exact top-k attention mass the predicted keys hold"),
+        "hit_rates": Metric(True, "hit rate per policy and sparsity"),
+    }
+    figures = {"hitrate_curves": "kvbench.analysis.hitrate:plot_hitrate"}
+
+    @classmethod
+    def planned_samples(cls, config: HitRateConfig) -> int:
+        return limited(config.windows, config)
+
+    @classmethod
+    def sample_work(cls, config: HitRateConfig) -> Work:
+        # every policy is simulated at every measured position and layer: one 2048-token window
+        # took ~13 min where its prefill and steps alone price ~10 s
+        return Work(config.context_length, config.decode_positions, config.context_length, factor=75.0)
 
     def __init__(self, config: HitRateConfig, data_root: Path, seed: int = 0):
         super().__init__(config, data_root, seed)
