@@ -29,10 +29,6 @@ BASELINE = (
     "the FP16 baseline: what a run without a method node runs and the default reference arm of "
     "every comparison (a default value, not a look-up that a new method would extend)"
 )
-PAPER_DATA = (
-    "paper ids and the papers' own tables (methods and knobs as each paper names them): data, moving "
-    "to one YAML per paper (issue 26, item 2)"
-)
 VARIANT_VALUE = (
     "a knob value named after the paper that introduced the variant (SpeCache's 1-bit zero point, "
     "KIVI's arithmetic, KVQuant's uniform datatype), not a method look-up"
@@ -53,40 +49,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("kvbench/lmeval.py", "fp16"): BASELINE,
     ("kvbench/launchers.py", "fp16"): BASELINE,
     ("kvbench/methods/base.py", "fp16"): BASELINE,
-    ("kvbench/analysis/claims.py", "intactkv"): PAPER_DATA,
-    ("kvbench/analysis/claims.py", "kivi"): PAPER_DATA,
-    ("kvbench/analysis/claims.py", "kvquant"): PAPER_DATA,
-    ("kvbench/analysis/claims.py", "ott"): PAPER_DATA,
-    ("kvbench/analysis/claims.py", "readkv"): PAPER_DATA,
-    ("kvbench/analysis/claims.py", "semkv"): PAPER_DATA,
-    ("kvbench/analysis/claims.py", "specache"): PAPER_DATA,
-    ("kvbench/report.py", "intactkv"): PAPER_DATA,
-    ("kvbench/report.py", "kivi"): PAPER_DATA,
-    ("kvbench/report.py", "kvquant"): PAPER_DATA,
-    ("kvbench/report.py", "ott"): PAPER_DATA,
-    ("kvbench/report.py", "readkv"): PAPER_DATA,
-    ("kvbench/report.py", "semkv"): PAPER_DATA,
-    ("kvbench/report.py", "specache"): PAPER_DATA,
-    **{
-        ("kvbench/analysis/papers.py", name): PAPER_DATA
-        for name in (
-            "attention_probe",
-            "fp16",
-            "h2o",
-            "intactkv",
-            "kivi",
-            "kvquant",
-            "ott",
-            "random_prune",
-            "readkv",
-            "semkv",
-            "snapkv",
-            "specache",
-            "streamingllm",
-            "turboquant",
-            "uniform",
-        )
-    },
     ("kvbench/cache/quantized.py", "kivi"): VARIANT_VALUE,
     ("kvbench/cache/quantized.py", "specache"): VARIANT_VALUE,
     ("kvbench/quant/affine.py", "kivi"): VARIANT_VALUE,
