@@ -211,6 +211,9 @@ class SemKVLayer(KVLayer):
         self.masks: list[torch.Tensor] = []  # packed allocation maps, one per unit
         self.unit_sizes: list[int] = []
         self._generator: torch.Generator | None = None
+        # (units allocated, positions of the stored tokens): a decode step that allocates nothing
+        # reuses them instead of unpacking and sorting the whole map again
+        self._positions: tuple[int, torch.Tensor] | None = None
         self.rotations = HeadRotations(cfg.seed, layer_idx) if cfg.base == "turboquant" else None
         if cfg.base == "uniform":
             group = cfg.channel_group(head_dim)
@@ -310,13 +313,10 @@ class SemKVLayer(KVLayer):
         key and so take the reconstructing path."""
         if self.metric in ATTENTION_METRICS:
             return None
-        mask = self.allocation_mask()
         parts = {"k": [], "v": []}
         positions = []
-        if mask is not None:
-            # token order within each level: first the L_hi positions, then the L_lo ones
-            order = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices
-            positions.append(order)
+        if self.masks:
+            positions.append(self._stored_positions())
             for kv in ("k", "v"):
                 parts[kv].extend(store.source() if len(store) else None for store in self.stores[kv])
         allocated = self.allocated_tokens()
@@ -327,6 +327,15 @@ class SemKVLayer(KVLayer):
             parts["k"].append(self.k_pend.source())
             parts["v"].append(self.v_pend.source())
         return StoredTokens(ConcatSource(parts["k"]), ConcatSource(parts["v"]), torch.cat(positions, dim=-1))
+
+    def _stored_positions(self) -> torch.Tensor:
+        """``[B, H_kv, allocated]``: the position of every stored entry, the L_hi store's tokens
+        first, then the L_lo store's, each in token order."""
+        if self._positions is None or self._positions[0] != len(self.masks):
+            mask = self.allocation_mask()
+            order = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices
+            self._positions = (len(self.masks), order)
+        return self._positions[1]
 
     def bytes_reserved(self):
         stores = [s for pair in self.stores.values() for s in pair] + [self.k_pend, self.v_pend]
