@@ -84,8 +84,14 @@ from kvbench.quant.rope import cos_sin, rotate
 DEFAULT_BLOCK_SIZE = 1024
 BLOCK_SIZE_ENV = "KVBENCH_BLOCK_SIZE"
 # Most bytes of float32 logits the single-call path holds at once (all stored tokens x query rows x
-# kv heads); a decode step over 8K tokens of the default model needs 0.3 MB.
+# query heads); a decode step over 8K tokens of the default model needs 0.3 MB.
 SINGLE_CALL_BUDGET = 4 << 20
+# A decode step (at most DECODE_ROWS query positions: SpeCache's speculative step has two) always
+# reads in single calls up to this much: its logits are a small fraction of the cache it reads
+# (32K tokens of a Llama-3.1-8B layer: 4 MB of logits per query position against 64 MB of fp16 KV),
+# and the block loop would make its calls grow with the context.
+DECODE_ROWS = 2
+DECODE_BUDGET = 256 << 20
 
 
 @runtime_checkable
@@ -803,7 +809,8 @@ def part_mix(parts: list[TokenSource], weights: torch.Tensor, reader: PartReader
 def fits_single_call(query: torch.Tensor, num_kv_heads: int, stored: int) -> bool:
     """Whether the logits of ``query [B, H_q, q, D]`` over ``stored`` tokens fit the budget."""
     b, hq, q, _ = query.shape
-    return b * hq * q * stored * 4 <= SINGLE_CALL_BUDGET
+    logits = b * hq * q * stored * 4
+    return logits <= SINGLE_CALL_BUDGET or q <= DECODE_ROWS and logits <= DECODE_BUDGET
 
 
 def single_call_attention(
