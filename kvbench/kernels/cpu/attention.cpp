@@ -1030,27 +1030,19 @@ struct TokenParam {
   }
 };
 
-at::Tensor codebook_token_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& table,
-                                 const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
-                                 int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes) {
-  const int64_t B = query.size(0), H = query.size(1), M = query.size(2), D = head_dim, T = codes.size(2);
-  if (!codebook_foldable(levels, D, chunk_bytes, scale, zero, T))
-    return code_scores(query, codes, table, scale, zero, levels, D, chunk_codes, chunk_bytes, 1, 1, c10::nullopt,
-                       c10::nullopt, 0);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
-              "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
-  auto q = check_rows(query, "query", B, H);
-  auto tab = table.to(at::kFloat).contiguous();
-  const int bits = __builtin_ctzll(levels);
-  const ShiftRows proto(View4(codes), bits, D, tab.data_ptr<float>());
-  const std::vector<int64_t> pos = shift_order(bits, D);
+// The folded per-token scores over rows made by `proto` (codes as table values, no affine map),
+// with `pos` the decoder's channel order.
+template <class Rows>
+at::Tensor token_param_scores(const at::Tensor& q, const Rows& proto, const std::vector<int64_t>& pos,
+                              const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+                              int64_t B, int64_t H, int64_t M, int64_t D, int64_t T) {
   const TokenParam sp(scale, 1.f), zp(zero, 0.f);
   auto out = at::empty({B, H, M, T}, q.options());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t chunks = (T + kChunk - 1) / kChunk;
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    ShiftRows rows = proto;
+    Rows rows = proto;
     std::vector<float> qperm(M * D), qsum(M);
     int64_t bound = -1;
     for (int64_t w = lo; w < hi; ++w) {
@@ -1087,28 +1079,47 @@ at::Tensor codebook_token_scores(const at::Tensor& query, const at::Tensor& code
   return out;
 }
 
-at::Tensor codebook_token_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& table,
-                              const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
-                              int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes) {
-  const int64_t B = weights.size(0), H = weights.size(1), M = weights.size(2), T = weights.size(3);
-  const int64_t D = head_dim;
-  TORCH_CHECK(codes.size(2) == T, "weights and codes disagree on T");
-  if (!codebook_foldable(levels, D, chunk_bytes, scale, zero, T))
-    return code_mix(weights, codes, table, scale, zero, levels, D, chunk_codes, chunk_bytes, 1, 1);
+
+// Whether the parameters are absent or one number per token ([B, H_kv, T, 1]).
+bool per_token_params(const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero, int64_t T) {
+  for (const auto* p : {&scale, &zero})
+    if (p->has_value() && ((*p)->dim() != 4 || (*p)->size(3) != 1 || (*p)->size(2) != T)) return false;
+  return true;
+}
+
+at::Tensor codebook_token_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& table,
+                                 const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+                                 int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes) {
+  const int64_t B = query.size(0), H = query.size(1), M = query.size(2), D = head_dim, T = codes.size(2);
+  if (!per_token_params(scale, zero, T))
+    return code_scores(query, codes, table, scale, zero, levels, D, chunk_codes, chunk_bytes, 1, 1, c10::nullopt,
+                       c10::nullopt, 0);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
               "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
-  auto p = check_rows(weights, "weights", B, H);
+  auto q = check_rows(query, "query", B, H);
   auto tab = table.to(at::kFloat).contiguous();
+  if (!codebook_foldable(levels, D, chunk_bytes, scale, zero, T)) {
+    // base-L words and other byte layouts: the table decoder, still with the affine map folded
+    const CodeTables tables = make_tables(tab, levels, chunk_codes, chunk_bytes);
+    const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
+    return token_param_scores(q, proto, identity_order(D), scale, zero, B, H, M, D, T);
+  }
   const int bits = __builtin_ctzll(levels);
   const ShiftRows proto(View4(codes), bits, D, tab.data_ptr<float>());
-  const std::vector<int64_t> pos = shift_order(bits, D);
+  return token_param_scores(q, proto, shift_order(bits, D), scale, zero, B, H, M, D, T);
+}
+
+template <class Rows>
+at::Tensor token_param_mix(const at::Tensor& p, const Rows& proto, const std::vector<int64_t>& pos,
+                           const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+                           int64_t B, int64_t H, int64_t M, int64_t D, int64_t T) {
   const TokenParam sp(scale, 1.f), zp(zero, 0.f);
   const int64_t chunks = std::max<int64_t>(1, (T + kChunk - 1) / kChunk);
   auto partial = at::zeros({B * H, chunks, M, D}, p.options());
   const float* pp = p.data_ptr<float>();
   float* part = partial.data_ptr<float>();
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    ShiftRows rows = proto;
+    Rows rows = proto;
     std::vector<float> ws(M * kChunk), accp(M * D), zsum(M);
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
@@ -1139,6 +1150,29 @@ at::Tensor codebook_token_mix(const at::Tensor& weights, const at::Tensor& codes
     }
   });
   return partial.sum(1).view({B, H, M, D});
+}
+
+
+at::Tensor codebook_token_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& table,
+                              const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+                              int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes) {
+  const int64_t B = weights.size(0), H = weights.size(1), M = weights.size(2), T = weights.size(3);
+  const int64_t D = head_dim;
+  TORCH_CHECK(codes.size(2) == T, "weights and codes disagree on T");
+  if (!per_token_params(scale, zero, T))
+    return code_mix(weights, codes, table, scale, zero, levels, D, chunk_codes, chunk_bytes, 1, 1);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
+              "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
+  auto p = check_rows(weights, "weights", B, H);
+  auto tab = table.to(at::kFloat).contiguous();
+  if (!codebook_foldable(levels, D, chunk_bytes, scale, zero, T)) {
+    const CodeTables tables = make_tables(tab, levels, chunk_codes, chunk_bytes);
+    const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
+    return token_param_mix(p, proto, identity_order(D), scale, zero, B, H, M, D, T);
+  }
+  const int bits = __builtin_ctzll(levels);
+  const ShiftRows proto(View4(codes), bits, D, tab.data_ptr<float>());
+  return token_param_mix(p, proto, shift_order(bits, D), scale, zero, B, H, M, D, T);
 }
 
 // KVQuant's dense-and-sparse split: each outlier entry (token rows[i], flat column cols[i] =

@@ -83,6 +83,12 @@ class CompiledReader:
         if type(part) is PerTokenAffineSource and _on_cpu(part.codes):
             c, m = chunk_layout(part.levels)
             ident = _identity(part.levels)
+            t = part.num_tokens
+            if _per_token(part.scale, t) and _per_token(part.zero, t):
+                # one group per head: s_t (q . c_t) + z_t sum(q), the affine map off the codes
+                return k.codebook_token_scores(
+                    query, part.codes, ident, part.scale, part.zero, part.levels, part.head_dim, c, m
+                )
             return k.code_scores(
                 query, part.codes, ident, part.scale, part.zero, part.levels, part.head_dim, c, m, 1, 1,
                 None, None, 0,
