@@ -296,9 +296,10 @@ def claims_results(
 
 def claims_markdown(model: str, results: list, frames: dict[str, pd.DataFrame] | None = None) -> str:
     """The generated verdict table of one model (``results/claims/<model>.md``), then, with the
-    frames, what settling each inconclusive claim would cost (``kvbench.analysis.sizing``)."""
+    frames, what settling each inconclusive claim would cost and each node's size from its pilot
+    against the CPU budget of a node (``kvbench.analysis.sizing``)."""
     from kvbench.analysis.claims import claims_table, verdict_counts
-    from kvbench.analysis.sizing import WORKING_DAY_H, sizing_table
+    from kvbench.analysis.sizing import NODE_BUDGET_MIN, WORKING_DAY_H, node_sizing, sizing_table
 
     lines = [
         f"# Paper claims on {model}",
@@ -333,6 +334,27 @@ def claims_markdown(model: str, results: list, frames: dict[str, pd.DataFrame] |
             "",
             tables.to_markdown(sizing).rstrip() if len(sizing) else "No claim is inconclusive.",
         ]
+        nodes, notes = node_sizing(results, frames)
+        lines += [
+            "",
+            "## Sizing",
+            "",
+            "Each node with claims, sized from its stored runs as a pilot: `n_now`, the pairs",
+            "(sample_id, seed) its configurations hold; `n_needed`, the largest n any of its open",
+            "(inconclusive) claims needs at power 0.8, alpha as declared, at the pilot's effect and",
+            "spread and in the direction the pilot points (`confirm`: the claim's side; `refute`: the",
+            "other), with the claim; `minutes_at_n`, the CPU minutes the whole node would take at that",
+            "n (`kvbench.reproduce`'s cost model: each run's samples scaled to n, at the seconds per",
+            "sample stored for its model and method on the machine of the runs, plus a model load per",
+            f"run); `within_budget`, whether that fits the {NODE_BUDGET_MIN:g} CPU-minute budget of a",
+            "node (`kvbench.analysis.sizing.NODE_BUDGET_MIN`); `resize_to`, the n the node would be",
+            "resized to: the largest needed n that fits the budget, with its minutes. No node is resized",
+            "here: the n of every node is still the one its stored runs were made at.",
+            "",
+            tables.to_markdown(nodes).rstrip() if len(nodes) else "No node has claims.",
+        ]
+        if notes:
+            lines += ["", *(f"- {note}" for note in notes)]
     return "\n".join(lines) + "\n"
 
 

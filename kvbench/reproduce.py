@@ -73,7 +73,9 @@ Cost estimate, seconds per sample, in this order:
    adds its model load (CPU 15 s, GPU 120 s). P, L, d and k come from the model node's ``shape``; a
    node without one is taken from the ``NNb`` in its name with a 7B-class shape.
 
-The CPU profile prints minutes, the paper profile GPU hours.
+The CPU profile prints minutes, the paper profile GPU hours. The claims page's Sizing section
+(``kvbench.analysis.sizing.node_sizing``) prices each node at the n its claims need through the
+same stored times (``stored_job_seconds``) and per-run load (``NodePlan.estimate_s``).
 """
 
 from __future__ import annotations
@@ -235,32 +237,49 @@ def _rows(path: Path):
             yield row
 
 
+def _add_seconds(found: dict[tuple, list[float]], model: Any, method: Any, seconds: Any) -> None:
+    if isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0:
+        found.setdefault((str(model), str(method)), []).append(float(seconds))
+
+
+def frame_seconds(frame: Any) -> dict[tuple, list[float]]:
+    """``{(model, method label): [seconds per sample, ...]}`` from a sample frame (an archive's)."""
+    found: dict[tuple, list[float]] = {}
+    if frame is not None and {"model", "method", "seconds"} <= set(frame.columns):
+        for model, method, seconds in zip(frame["model"], frame["method"], frame["seconds"], strict=True):
+            _add_seconds(found, model, method, seconds)
+    return found
+
+
 def stored_seconds(node: str, output_root: str | Path, results: str | Path) -> dict[tuple, list[float]]:
     """``{(model, method label): [seconds per sample, ...]}`` from the node's archive and the run
     folders under its output root."""
     found: dict[tuple, list[float]] = {}
-
-    def add(model: Any, method: Any, seconds: Any) -> None:
-        if isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0:
-            found.setdefault((str(model), str(method)), []).append(float(seconds))
-
     archive = Path(results) / node
     if (archive / "samples.csv.gz").is_file():
         from kvbench.analysis.archive import read_archive
 
         try:
-            frame = read_archive(archive)
+            found = frame_seconds(read_archive(archive))
         except (OSError, ValueError):
-            frame = None
-        if frame is not None and {"model", "method", "seconds"} <= set(frame.columns):
-            for model, method, seconds in zip(frame["model"], frame["method"], frame["seconds"], strict=True):
-                add(model, method, seconds)
+            pass
     root = Path(output_root)
     if root.is_dir():
         for path in root.rglob("samples.jsonl"):
             for row in _rows(path):
-                add(row.get("model"), row.get("method"), row.get("seconds"))
+                _add_seconds(found, row.get("model"), row.get("method"), row.get("seconds"))
     return found
+
+
+def stored_job_seconds(stored: dict[tuple, list[float]], model: str, method: str) -> tuple[float, str] | None:
+    """Seconds per sample of a job of ``model`` under ``method`` (a label) from ``stored`` (step 1
+    of the cost estimate, module docstring), with where it came from: the mean of the same model
+    and method's rows (``stored``), else of the same model's rows in the node (``stored (node)``);
+    None when the node stores no time for the model."""
+    times = stored.get((model, method)) or [s for (m, _), v in stored.items() if m == model for s in v]
+    if not times:
+        return None
+    return sum(times) / len(times), "stored" if (model, method) in stored else "stored (node)"
 
 
 # ----------------------------------------------------------------------------------------- plans
@@ -395,12 +414,9 @@ def plan_node(
                     first_of_run = folders.setdefault(job.folder, i)
                     job.same_as = first_of_run if first_of_run != i else None
                     job.done, job.complete = _stored_progress(job.folder)
-                times = stored.get((job.model, job.method)) or [
-                    s for (m, _), v in stored.items() if m == job.model for s in v
-                ]
-                if times:
-                    job.seconds = sum(times) / len(times)
-                    job.source = "stored" if (job.model, job.method) in stored else "stored (node)"
+                known = stored_job_seconds(stored, job.model, job.method)
+                if known is not None:
+                    job.seconds, job.source = known
                 else:
                     job.seconds = modelled_seconds(config, profile)
             if not compose:
