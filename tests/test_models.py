@@ -200,6 +200,59 @@ def test_missing_gguf_package_says_how_to_install():
     assert info.value.key == "model.gguf_package"
 
 
+def _chunk_packages(root: Path, chunks: list[bytes]) -> None:
+    """Packages ``kvchunk_part1..N`` under ``root``, each holding one chunk as ``data/partNN.bin``."""
+    for i, chunk in enumerate(chunks, start=1):
+        (root / f"kvchunk_part{i}" / "data").mkdir(parents=True)
+        (root / f"kvchunk_part{i}" / "__init__.py").write_text("")
+        (root / f"kvchunk_part{i}" / "data" / f"part{i:02d}.bin").write_bytes(chunk)
+
+
+CHUNKED = {"gguf_package": "kvchunk_part{part}", "gguf_file": "data/part{part:02d}.bin"}
+
+
+def test_chunk_packages_assemble_in_order_once(tmp_path, monkeypatch):
+    chunks = [b"GGUF" + bytes(range(7)), b"middle" * 3, b"tail"]
+    _chunk_packages(tmp_path / "site", chunks)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = ModelConfig(name="chunked", **CHUNKED, gguf_parts=3)
+    path = models.gguf_path(cfg)
+    assert path.read_bytes() == b"".join(chunks)
+    assert path.parent == tmp_path / "cache" / "models" / "assembled"
+    # up to date: not written again
+    mtime = path.stat().st_mtime_ns
+    assert models.gguf_path(cfg).stat().st_mtime_ns == mtime
+    # a part that changed (a reinstall) is assembled anew
+    (tmp_path / "site" / "kvchunk_part2" / "data" / "part02.bin").write_bytes(b"other")
+    assert models.gguf_path(cfg).read_bytes() == chunks[0] + b"other" + chunks[2]
+    manifest = models.source_manifest(cfg, path)
+    assert manifest["gguf_parts"] == 3 and manifest["package"] == "kvchunk_part{part}"
+    assert "gguf_parts" not in models.source_manifest(ModelConfig(**GGUF), path)
+
+
+def test_chunk_package_errors_name_the_part(tmp_path, monkeypatch):
+    _chunk_packages(tmp_path / "site", [b"GGUF", b"rest"])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError) as info:
+        models.gguf_path(ModelConfig(name="chunked", **CHUNKED, gguf_parts=3))
+    assert info.value.key == "model.gguf_package" and info.value.value == "kvchunk_part3"
+    (tmp_path / "site" / "kvchunk_part1" / "data" / "part01.bin").write_bytes(b"nope")
+    with pytest.raises(ConfigError, match="GGUF magic") as info:
+        models.gguf_path(ModelConfig(name="chunked", **CHUNKED, gguf_parts=2))
+    assert info.value.key == "model.gguf_file"
+    for bad in (1, True, "2"):
+        with pytest.raises(ConfigError) as info:
+            ModelConfig(name="chunked", **CHUNKED, gguf_parts=bad)
+        assert info.value.key == "model.gguf_parts"
+    with pytest.raises(ConfigError, match=r"\{part\}") as info:
+        ModelConfig(name="chunked", gguf_package="kvchunk", gguf_file="data/x.bin", gguf_parts=2)
+    assert info.value.key == "model.gguf_package"
+    # a GGUF file given on top of a chunked node replaces its weights: no parts are looked for
+    assert ModelConfig(name="x", gguf="/x/m.gguf", **CHUNKED, gguf_parts=2).part_names() == []
+
+
 def test_offline_hub_id_fails_fast(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     started = time.perf_counter()

@@ -29,10 +29,11 @@ class ModelConfig:
 
     Exactly one weights source: ``path`` (a local Hugging Face folder), ``gguf`` (a GGUF file
     anywhere on disk), ``gguf_package`` + ``gguf_file`` (a GGUF inside an installed Python package),
-    or ``hub_id``. ``path`` or ``gguf`` wins over the node's own source when set, so
-    ``model.path=/local/copy`` and ``model.gguf=/some/file.gguf`` work on top of any node; giving both
-    is an error. A GGUF (file or package) is converted once into kvbench's cache
-    (:mod:`kvbench.models.gguf`).
+    or ``hub_id``; a GGUF too large for one PyPI file comes as ``gguf_parts`` chunk packages, with
+    ``gguf_package`` and ``gguf_file`` templates naming part ``{part}``. ``path`` or ``gguf`` wins
+    over the node's own source when set, so ``model.path=/local/copy`` and
+    ``model.gguf=/some/file.gguf`` work on top of any node; giving both is an error. A GGUF (file or
+    package) is converted once into kvbench's cache (:mod:`kvbench.models.gguf`).
 
     ``name`` is what results are filed under (and the folder a package's GGUF converts into), so it
     is one safe folder name (:func:`kvbench.paths.safe_component`). Left null, it comes from ``path``
@@ -54,6 +55,10 @@ class ModelConfig:
     gguf: str | None = inert(None)
     gguf_package: str | None = None
     gguf_file: str | None = None
+    # A GGUF too large for one PyPI file, shipped as this many chunk packages: gguf_package and
+    # gguf_file are then templates naming part {part} (1, 2, ...), concatenated in order
+    # (kvbench/models/gguf.py).
+    gguf_parts: int | None = inert(None)
     dtype: str = "float32"
     max_context: int | None = None
     weights_note: str = ""
@@ -157,6 +162,44 @@ class ModelConfig:
                 self.path,
                 "set one of model.path, model.gguf, model.gguf_package or model.hub_id",
             )
+        self._check_parts()
+
+    def _check_parts(self) -> None:
+        """``gguf_parts``: a count of at least 2, with package and file templates that name each part."""
+        n = self.gguf_parts
+        if n is None:
+            return
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise ConfigError(
+                "model.gguf_parts", n, "an integer of at least 2 (the number of chunk packages), or null"
+            )
+        if not self.gguf_package:
+            raise ConfigError(
+                "model.gguf_parts", n, "needs model.gguf_package (a template naming each part's package)"
+            )
+        for key in ("gguf_package", "gguf_file"):
+            template = str(getattr(self, key))
+            try:
+                names = {template.format(part=1), template.format(part=2)}
+            except (KeyError, IndexError, ValueError):
+                names = set()
+            if len(names) < 2 and key == "gguf_package":
+                raise ConfigError(
+                    f"model.{key}",
+                    template,
+                    "a template with {part} (e.g. 'model_part{part}'), since model.gguf_parts is set",
+                )
+            if not names:
+                raise ConfigError(f"model.{key}", template, "a template whose only field is {part}")
+
+    def part_names(self) -> list[tuple[str, str]]:
+        """``(package, file)`` of every chunk of a multi-part package GGUF, in order (empty otherwise)."""
+        if not self.gguf_parts or self.gguf:
+            return []
+        return [
+            (str(self.gguf_package).format(part=i), str(self.gguf_file).format(part=i))
+            for i in range(1, self.gguf_parts + 1)
+        ]
 
     @property
     def source(self) -> str:

