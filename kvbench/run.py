@@ -280,9 +280,9 @@ def check_environment() -> None:
     """Every environment variable a run reads, through the reader its owner uses (each raises a
     ConfigError naming the variable): a bad value fails here, before anything loads, rather than
     where it is first used. ``KVBENCH_DATA_DIR`` is checked with the data root it stands for."""
+    from kvbench.cache.blockwise import configured_block_size
     from kvbench.kernels.runtime import interpreting
     from kvbench.models.hub import hub_offline
-    from kvbench.quant.blockwise import configured_block_size
 
     configured_block_size()
     paths.cache_dir()

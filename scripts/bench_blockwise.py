@@ -10,7 +10,7 @@ query (q = 1), stored contexts of 1K, 4K and 8K tokens, on ``--threads`` threads
 - ``rebuild ...``: kvbench's current path (``KVLayer.update``): reconstruct every stored token
   (``QuantizedTokens.dequantize()``: ``unpack`` + ``dequantize_grouped``; ``RotatedCodes.dequantize()``
   for the codebook), ``cat_tokens`` with the residual, concatenate the new token, SDPA;
-- ``blockwise ...``: :func:`kvbench.quant.blockwise.blockwise_attention` over the stored sources plus
+- ``blockwise ...``: :func:`kvbench.cache.blockwise.blockwise_attention` over the stored sources plus
   the new token attended exactly, for fp16 storage, KIVI 2-bit (per-channel keys + per-token values
   with their scales folded into the attention weights, G = 32, fp16 residual: values 128 tokens,
   keys a partly full window of 64; variants fold the key scales into the query as well, or fold
@@ -40,19 +40,15 @@ import time
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvbench.cache.fp import FullPrecisionTokens
+from kvbench.cache.affine_source import PerChannelAffineSource, PerTokenAffineSource
+from kvbench.cache.blockwise import blockwise_attention
+from kvbench.cache.codebook_source import CodebookSource
+from kvbench.cache.fp import FullPrecisionSource, FullPrecisionTokens
 from kvbench.cache.growable import GrowableTokens
 from kvbench.cache.layer import cat_tokens
 from kvbench.cache.quantized import QuantizedTokens
+from kvbench.cache.source import ConcatSource
 from kvbench.cache.transient import PeakTransient
-from kvbench.quant.blockwise import (
-    CodebookSource,
-    ConcatSource,
-    FullPrecisionSource,
-    PerChannelAffineSource,
-    PerTokenAffineSource,
-    blockwise_attention,
-)
 from kvbench.quant.lloyd_max import lloyd_max_codebook, quantize_scalar, random_rotation
 from kvbench.quant.packing import pack, unpack
 

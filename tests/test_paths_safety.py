@@ -366,7 +366,7 @@ def test_a_bad_block_size_is_one_line_before_the_model_loads(inputs, tmp_path, m
 
 
 def test_a_good_block_size_is_read(monkeypatch):
-    from kvbench.quant.blockwise import DEFAULT_BLOCK_SIZE, configured_block_size
+    from kvbench.cache.blockwise import DEFAULT_BLOCK_SIZE, configured_block_size
 
     monkeypatch.setenv("KVBENCH_BLOCK_SIZE", "16")
     assert configured_block_size() == 16

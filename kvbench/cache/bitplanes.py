@@ -21,9 +21,9 @@ import math
 import torch
 
 from kvbench.cache.growable import GrowableTokens
+from kvbench.cache.source import BlockSource
 from kvbench.quant.affine import dequantize_grouped, quantize_grouped
 from kvbench.quant.bitplanes import pack_planes, unpack_planes
-from kvbench.quant.blockwise import BlockSource
 
 
 class BitPlaneTokens:

@@ -17,7 +17,7 @@ import torch
 
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import KVLayer, StoredTokens, cat_tokens, merge_held
-from kvbench.quant.blockwise import ConcatSource
+from kvbench.cache.source import ConcatSource
 
 
 class CompositeLayer(KVLayer):

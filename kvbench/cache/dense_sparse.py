@@ -9,7 +9,7 @@ by their fp16 values. Held (``held_tensors``): ``codes`` (packed codebook indice
 
 Every part lives in a doubling buffer (:class:`~kvbench.cache.growable.GrowableTokens`), so an
 append costs O(new tokens); :meth:`DenseSparseTokens.source` reads the store block by block for
-attention, outliers included (:class:`~kvbench.quant.blockwise.CodebookSource`).
+attention, outliers included (:class:`~kvbench.cache.codebook_source.CodebookSource`).
 
 Appends run inside every decode step, so they avoid making the host wait for the device: the
 codebook, its decision boundaries and fixed ranges are kept in float32 per device (built once, not
@@ -29,9 +29,9 @@ from typing import NamedTuple
 
 import torch
 
+from kvbench.cache.codebook_source import CodebookSource
 from kvbench.cache.growable import GrowableTokens
 from kvbench.kernels.cpu import cpu_kernels
-from kvbench.quant.blockwise import CodebookSource
 from kvbench.quant.nuq import (
     key_outliers,
     masked_range,

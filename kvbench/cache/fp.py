@@ -1,11 +1,35 @@
-"""Full-precision token buffers: the FP16 baseline's storage, residual windows, pending groups."""
+"""Full-precision token buffers (the FP16 baseline's storage, residual windows, pending groups) and their
+block source."""
 
 from __future__ import annotations
 
 import torch
 
 from kvbench.cache.growable import GrowableTokens
-from kvbench.quant.blockwise import FullPrecisionSource
+from kvbench.cache.source import BlockSource
+
+
+class FullPrecisionSource(BlockSource):
+    """Tokens ``[B, H_kv, T, D]`` held in any float dtype, upcast to float32 one block at a time."""
+
+    def __init__(self, data: torch.Tensor):
+        if data.dim() != 4 or not data.is_floating_point():
+            raise ValueError(
+                f"data must be a float tensor [B, H_kv, T, D], got {data.dtype} {tuple(data.shape)}"
+            )
+        self.data = data
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data.shape[-2]
+
+    @property
+    def num_heads(self) -> int:
+        return self.data.shape[1]
+
+    def read(self, start: int, stop: int) -> torch.Tensor:
+        self._check_range(start, stop)
+        return self.data[..., start:stop, :].float()
 
 
 class FullPrecisionTokens:

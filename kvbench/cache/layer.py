@@ -2,7 +2,7 @@
 
 A :class:`KVLayer` is one transformer layer's cache. Subclasses say how tokens are stored
 (:meth:`append`), which tensors they hold (:meth:`held_tensors`) and how the stored tokens are
-attended: :meth:`stored` hands them out as block sources (:mod:`kvbench.quant.blockwise`) that
+attended: :meth:`stored` hands them out as block sources (:mod:`kvbench.cache.source`) that
 read the packed storage a block at a time; :meth:`read`, the whole store reconstructed, is the
 reference those sources are tested against and the fallback of a layer without sources.
 
@@ -29,15 +29,15 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvbench.kernels.cpu.parts import read_kernels
-from kvbench.quant.blockwise import ConcatSource, LogitObserver, TokenSource, blockwise_attention_forward
+from kvbench.cache.blockwise import LogitObserver, blockwise_attention_forward
+from kvbench.cache.source import ConcatSource, TokenSource
 
 
 @dataclass
 class StoredTokens:
     """What a layer has stored, ready to attend: ``keys``/``values`` sources of T entries and, when
     a kv head's entries are not in sequence order, their positions (``[B, H_kv, T]`` int64, -1 for
-    an entry never attended; see :func:`~kvbench.quant.blockwise.blockwise_attention`)."""
+    an entry never attended; see :func:`~kvbench.cache.blockwise.blockwise_attention`)."""
 
     keys: TokenSource
     values: TokenSource
@@ -212,6 +212,10 @@ class KVLayer(CacheLayerMixin):
             raise ValueError(
                 "kvbench attention over stored tokens supports neither softcap nor attention sinks"
             )
+        # imported here: the compiled reader dispatches on the source classes of kvbench.cache, so a
+        # module-level import would make `import kvbench.kernels.cpu.parts` a circular import
+        from kvbench.kernels.cpu.parts import read_kernels
+
         return blockwise_attention_forward(
             module,
             query,

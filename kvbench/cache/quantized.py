@@ -15,7 +15,7 @@ Layout (what is held, per block of tokens appended):
 Each is held in a doubling buffer (:class:`~kvbench.cache.growable.GrowableTokens`), so an append
 costs O(new tokens); ``codes``/``scale``/``zero`` are views of the rows in use, and
 :meth:`QuantizedTokens.source` reads them block by block for attention
-(:mod:`kvbench.quant.blockwise`) without reconstructing the store.
+(:mod:`kvbench.cache.affine_source`) without reconstructing the store.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import math
 
 import torch
 
+from kvbench.cache.affine_source import PerChannelAffineSource, PerTokenAffineSource
 from kvbench.cache.growable import GrowableTokens
 from kvbench.kernels.cpu import cpu_kernels
 from kvbench.quant.affine import dequantize_grouped, quantize_grouped
-from kvbench.quant.blockwise import PerChannelAffineSource, PerTokenAffineSource
 from kvbench.quant.packing import chunk_layout, pack, unpack
 
 
@@ -119,7 +119,7 @@ class QuantizedTokens:
         return self._zero.view() if self.num_tokens else None
 
     def source(self):
-        """The stored tokens as a block source (:mod:`kvbench.quant.blockwise`), None while empty.
+        """The stored tokens as a block source (:mod:`kvbench.cache.affine_source`), None while empty.
         Views, so it keeps reading what is stored now after later appends."""
         if not self.num_tokens:
             return None

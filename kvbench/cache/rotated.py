@@ -18,8 +18,9 @@ import math
 
 import torch
 
+from kvbench.cache.codebook_source import CodebookSource
 from kvbench.cache.growable import GrowableTokens
-from kvbench.quant.blockwise import BlockSource, CodebookSource
+from kvbench.cache.source import BlockSource
 from kvbench.quant.lloyd_max import lloyd_max_codebook, quantize_scalar, random_rotation
 from kvbench.quant.packing import pack, unpack
 

@@ -11,7 +11,7 @@ attention; a store only has to:
 - ``append(x)``: take new tokens ``[B, H_kv, t, D]`` at O(t) cost (doubling buffers,
   :mod:`kvbench.cache.growable`);
 - ``len(store)``: say how many tokens it holds;
-- ``source()``: hand out what it holds as a block source (:mod:`kvbench.quant.blockwise`) that
+- ``source()``: hand out what it holds as a block source (:mod:`kvbench.cache.source`) that
   attention reads a block at a time, and that keeps reading the same tokens after later appends;
 - ``bytes_reserved()``: report its allocation, spare capacity included.
 
@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from kvbench.quant.blockwise import TokenSource
+from kvbench.cache.source import TokenSource
 
 
 @runtime_checkable

@@ -56,11 +56,11 @@ import torch
 from kvbench.cache import KVLayer
 from kvbench.cache.dense_sparse import DenseSparseTokens
 from kvbench.cache.layer import StoredTokens
+from kvbench.cache.source import RoPESource
 from kvbench.config import check_choice, inert, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, register_method
 from kvbench.methods.kvquant_calibration import LayerCalibration, calibrate, calibrate_layer
-from kvbench.quant.blockwise import RoPESource
 from kvbench.quant.rope import RoPESpec, layer_rope, pre_rope_problem, rotate
 
 DATATYPES = ("nuq", "uniform")

@@ -60,13 +60,14 @@ from typing import ClassVar
 
 import torch
 
+from kvbench.cache.fp import FullPrecisionSource
 from kvbench.cache.kivi_layout import KIVILayer
 from kvbench.cache.layer import StoredTokens, cat_tokens, merge_held
 from kvbench.cache.outliers import EMPTY, Pool, place
+from kvbench.cache.source import ConcatSource
 from kvbench.config import require
 from kvbench.methods.affine_base import AffineCodesConfig, kv_bits_label
 from kvbench.methods.base import Method, check_group, register_method
-from kvbench.quant.blockwise import ConcatSource, FullPrecisionSource
 
 
 @dataclass

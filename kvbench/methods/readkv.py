@@ -79,6 +79,7 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from kvbench.cache.bitplanes import BitPlaneTokens
+from kvbench.cache.blockwise import configured_block_size
 from kvbench.cache.composite import CompositeLayer
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import cat_tokens
@@ -88,7 +89,6 @@ from kvbench.kernels.cpu import note_backend
 from kvbench.kernels.cpu.parts import read_kernels
 from kvbench.methods.affine_base import FullPrecisionWindow
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
-from kvbench.quant.blockwise import configured_block_size
 from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
 
 

@@ -77,6 +77,7 @@ from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import StoredTokens, cat_tokens
 from kvbench.cache.quantized import QuantizedTokens
 from kvbench.cache.rotated import HeadRotations, RotatedCodes
+from kvbench.cache.source import ConcatSource
 from kvbench.config import check_choice, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
@@ -92,7 +93,6 @@ from kvbench.methods.semkv_metrics import (
     logit_scores,
     metric_seed,
 )
-from kvbench.quant.blockwise import ConcatSource
 from kvbench.quant.levels import BITS_TOLERANCE
 from kvbench.quant.mixed import (
     RunningAllocator,

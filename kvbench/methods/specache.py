@@ -67,13 +67,15 @@ from typing import ClassVar
 import torch
 
 from kvbench.cache import KVBenchCache
+from kvbench.cache.blockwise import LogitObserver
+from kvbench.cache.fp import FullPrecisionSource
 from kvbench.cache.kivi_layout import KIVILayer
 from kvbench.cache.layer import StoredTokens, merge_held
 from kvbench.cache.sliding import SlidingWindowLayer
+from kvbench.cache.source import ConcatSource
 from kvbench.config import require
 from kvbench.methods.affine_base import AffineKVConfig, kv_bits_label
 from kvbench.methods.base import Method, covers_context, register_method
-from kvbench.quant.blockwise import ConcatSource, FullPrecisionSource, LogitObserver
 
 # Host buffers hold the prompt exactly and grow during decoding by this many tokens, or by an eighth
 # of what they hold when that is more: geometric growth, so a long decode copies the store O(1)
@@ -191,7 +193,7 @@ class HostTokens:
 class TopKScores(LogitObserver):
     """The attention probabilities of one query row, summed over the query heads that share each kv
     head, by sequence position: what ArgTopK ranks. Watches a blockwise attention
-    (:func:`~kvbench.quant.blockwise.blockwise_attention`) whose stored entries sit at ``positions``
+    (:func:`~kvbench.cache.blockwise.blockwise_attention`) whose stored entries sit at ``positions``
     (None: in order) and whose exact tokens follow at positions ``length ..``.
 
     ``row``: the query position (negative counts from the end), ``q``: the forward's query count,

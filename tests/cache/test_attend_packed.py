@@ -4,7 +4,7 @@ attends its stored tokens blockwise.
 The reference (kept here, not in the hot path): reconstruct the whole stored cache with the layer's
 ``read()`` *before* the forward's tokens are appended, concatenate the new tokens, and run
 transformers' SDPA with the causal rule of the new tokens (or the given mask). The layer under test
-attends the sources it took in ``update()`` block by block (:mod:`kvbench.quant.blockwise`), or,
+attends the sources it took in ``update()`` block by block (:mod:`kvbench.cache.blockwise`), or,
 without a block size, decode steps in one call per stored part through the compiled CPU kernels, so
 the two differ by float32 reassociation only: the bound is 2e-5 absolute/relative on attention
 outputs of unit-scale inputs.

@@ -11,17 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbench.cache.affine_source import PerChannelAffineSource, PerTokenAffineSource
+from kvbench.cache.blockwise import single_call_attention
+from kvbench.cache.codebook_source import CodebookSource
+from kvbench.cache.fp import FullPrecisionSource
+from kvbench.cache.source import ConcatSource, RoPESource
 from kvbench.kernels import cpu
 from kvbench.kernels.cpu.parts import CompiledReader, read_kernels
-from kvbench.quant.blockwise import (
-    CodebookSource,
-    ConcatSource,
-    FullPrecisionSource,
-    PerChannelAffineSource,
-    PerTokenAffineSource,
-    RoPESource,
-    single_call_attention,
-)
 from kvbench.quant.packing import chunk_layout, pack, unpack
 from kvbench.quant.rope import cos_sin
 
@@ -202,7 +198,7 @@ def test_pre_rope_codebook_keys(reader, with_outliers):
 
 def test_single_call_attention_equals_the_blockwise_reference(reader):
     """Whole decode attention over a sink | body | window cache, masks and positions included."""
-    from kvbench.quant.blockwise import blockwise_attention
+    from kvbench.cache.blockwise import blockwise_attention
 
     g = torch.Generator().manual_seed(5)
     b, h, d, n_rep, levels, group = 1, 3, 64, 3, 4, 32
@@ -246,7 +242,7 @@ def test_single_call_attention_equals_the_blockwise_reference(reader):
 def test_a_decode_step_is_a_fixed_number_of_part_calls(reader, monkeypatch):
     """The calls per step do not grow with the context: one scores and one mix per stored part,
     whether the body holds 320 tokens or 8,000, and the block loop never runs."""
-    import kvbench.quant.blockwise as blockwise
+    import kvbench.cache.blockwise as blockwise
 
     monkeypatch.setattr(blockwise, "block_ranges", lambda *a, **k: pytest.fail("the block loop ran"))
     counts = []

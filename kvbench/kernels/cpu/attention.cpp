@@ -12,8 +12,9 @@
 // The layouts are kvbench.quant.packing's (chunks of c codes in m bytes, little endian, code i the
 // i-th base-L digit; base-L words of 2..4 bytes are split into groups of k digits, L^k <= 256, by
 // dividing by L^k, and each group read through the same 256-entry table) and the parameter tensors are read through their strides, so the views of
-// kvbench's doubling buffers are read in place. kvbench/quant/sources/ holds the plain-torch
-// reference every kernel here is tested against (tests/kernels/test_cpu_kernels.py).
+// kvbench's doubling buffers are read in place. The block sources' own scores/mix hold the plain-torch
+// reference every kernel here is tested against (tests/kernels/test_cpu_kernels.py): kvbench/cache/fp.py,
+// affine_source.py, codebook_source.py and source.py (RoPESource).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>

@@ -1,6 +1,6 @@
 """Which compiled kernel answers each stored part, and the few torch ops around it.
 
-:class:`CompiledReader` is the :class:`~kvbench.quant.blockwise.PartReader` of the compiled CPU
+:class:`CompiledReader` is the :class:`~kvbench.cache.blockwise.PartReader` of the compiled CPU
 backend. Covered (everything on the CPU, float32 queries):
 
 - full-precision rows in fp16, bf16 or fp32 (:class:`FullPrecisionSource`): read in place, no upcast
@@ -24,15 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.cache.affine_source import PerChannelAffineSource, PerTokenAffineSource
+from kvbench.cache.codebook_source import CodebookSource
+from kvbench.cache.fp import FullPrecisionSource
+from kvbench.cache.source import RoPESource, TokenSource
 from kvbench.kernels.cpu import cpu_kernels, note_backend
-from kvbench.quant.blockwise import (
-    CodebookSource,
-    FullPrecisionSource,
-    PerChannelAffineSource,
-    PerTokenAffineSource,
-    RoPESource,
-    TokenSource,
-)
 from kvbench.quant.packing import chunk_layout, unpack
 
 _IDENTITY: dict[int, torch.Tensor] = {}

@@ -1,4 +1,5 @@
-"""Tests for kvbench.quant.blockwise: every source reads what its storage reconstructs, and blockwise
+"""Tests for the block sources (kvbench.cache.source, .fp, .affine_source, .codebook_source) and
+kvbench.cache.blockwise: every source reads what its storage reconstructs, and blockwise
 attention equals SDPA over the materialized cache (float32, relative tolerance 1e-5) for every source
 kind, grouped-query attention, block sizes that do and do not divide the length, partly full
 residuals, an empty quantized part, decode (q = 1) and chunked scoring (q > 1, causal tail)."""
@@ -12,20 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvbench.cache.affine_source import PerChannelAffineSource, PerTokenAffineSource
+from kvbench.cache.blockwise import block_ranges, blockwise_attention, blockwise_attention_forward
+from kvbench.cache.codebook_source import CodebookSource
+from kvbench.cache.fp import FullPrecisionSource
 from kvbench.cache.quantized import QuantizedTokens
+from kvbench.cache.source import ConcatSource, RoPESource, TokenSource
 from kvbench.cache.transient import PeakTransient
-from kvbench.quant.blockwise import (
-    CodebookSource,
-    ConcatSource,
-    FullPrecisionSource,
-    PerChannelAffineSource,
-    PerTokenAffineSource,
-    RoPESource,
-    TokenSource,
-    block_ranges,
-    blockwise_attention,
-    blockwise_attention_forward,
-)
 from kvbench.quant.lloyd_max import lloyd_max_codebook, quantize_scalar, random_rotation
 from kvbench.quant.nuq import (
     kmeans_1d,
