@@ -407,7 +407,14 @@ def replaces_node_weights(node: Mapping[str, Any]) -> bool:
 
 
 def _model_own(value: Any, fallback: Any = None, *, _parent_: Any) -> Any:
-    return fallback if replaces_node_weights(_parent_) else value
+    out = fallback if replaces_node_weights(_parent_) else value
+    if isinstance(out, (dict, list)):
+        # a mapping argument (the node's ``shape``) comes in as a plain dict, which OmegaConf's
+        # resolve (``--cfg job --resolve``) cannot store in the node: a config it can
+        from omegaconf import OmegaConf
+
+        return OmegaConf.create(out)
+    return out
 
 
 def _model_name(value: Any, *, _parent_: Any) -> Any:
