@@ -253,7 +253,8 @@ def targets(rows: list[dict]) -> list[str]:
         if (big, cache) not in at or (big, "fp16") not in at:
             continue
         ratio = at[(big, cache)]["step_ms"] / at[(big, "fp16")]["step_ms"]
-        bound = 1.0 if cache == "kivi" else 1.5
+        # the issue's targets: kivi at most fp16's time, readkv (which moves 4 of 8 bits) 2x, others 1.5x
+        bound = {"kivi": 1.0, "readkv": 2.0}.get(cache, 1.5)
         row(f"{cache} <= {bound}x kvbench fp16", big, cache, f"{ratio:.3f}x", ratio <= bound)
     for n in contexts:
         quanto = at.get((n, "QuantizedCache-quanto-2b"))
