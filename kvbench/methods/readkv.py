@@ -182,6 +182,27 @@ def budgets(read_bits: float, key_share: float, head_dim: int, tokens: int) -> t
     return key, value
 
 
+def stored_and_exact_weights(
+    stored: list[torch.Tensor],
+    query: torch.Tensor,
+    exact_k: torch.Tensor | None,
+    scaling: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Step 2's attention ``[B, H_kv, n, T + t]``: one softmax over the stored tokens' scaled logits
+    (``stored``, blocks in token order) followed by the exact tokens' ``query . exact_k``, plus the
+    additive ``mask``; a row that sees nothing gets weights 0."""
+    if exact_k is not None and exact_k.shape[-2]:
+        stored = [*stored, query @ exact_k.float().transpose(-1, -2) * scaling]
+    logits = stored[0] if len(stored) == 1 else torch.cat(stored, dim=-1)
+    if mask is not None:
+        logits = logits + mask
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    p = torch.exp(logits - top)
+    return p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+
+
 def query_adaptive_attention(
     query: torch.Tensor,
     keys: Codes,
@@ -207,14 +228,7 @@ def query_adaptive_attention(
     )  # [B, H, n, T, D]
     # 2. attention over reconstructed stored keys and exact tokens, one softmax
     logits = (k_p @ q[..., None])[..., 0] * scaling  # [B, H, n, T]
-    if exact_k is not None and exact_k.shape[-2]:
-        logits = torch.cat([logits, q @ exact_k.float().transpose(-1, -2) * scaling], dim=-1)
-    if mask is not None:
-        logits = logits + mask
-    top = logits.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    p = torch.exp(logits - top)
-    a = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    a = stored_and_exact_weights([logits], q, exact_k, scaling, mask)
     a_stored = a[..., :tq]
     # 3. value tokens: weight a_t * rho_t
     pv = allocate_prefix_bits(a_stored * values.rms[:, :, None, :], bits, value_budget)  # [B, H, n, T]
@@ -326,15 +340,7 @@ def blockwise_query_adaptive_attention(
         codes = keys.read_codes(key_need, start, stop)  # [B, H, block, D]
         k_p = prefix_reconstruct(codes[:, :, None], s[:, :, None], z[:, :, None], bits, pk[:, :, :, None, :])
         parts.append((k_p @ q[..., None])[..., 0] * scaling)  # [B, H, n, block]
-    if exact_k is not None and exact_k.shape[-2]:
-        parts.append(q @ exact_k.float().transpose(-1, -2) * scaling)
-    logits = torch.cat(parts, dim=-1)
-    if mask is not None:
-        logits = logits + mask
-    top = logits.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    p = torch.exp(logits - top)
-    a = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    a = stored_and_exact_weights(parts, q, exact_k, scaling, mask)
     a_stored = a[..., :tq]
     # 3. value tokens: weight a_t * rho_t (rho: RMS of the token's scales over its channel groups)
     rho_v = values.scale.float().pow(2).mean(-1).sqrt()  # [B, H, T]
@@ -377,14 +383,7 @@ def compiled_query_adaptive_attention(
     rms_k = kernels.plane_rms(keys.scale, -2)  # [B, H, D]
     pk = kernels.allocate_prefix(q.abs() * rms_k[:, :, None, :], bits, key_budget)
     logits = kernels.plane_key_scores(q, keys.planes, keys.scale, keys.zero, pk, bits, keys.group, scaling)
-    if exact_k is not None and exact_k.shape[-2]:
-        logits = torch.cat([logits, q @ exact_k.float().transpose(-1, -2) * scaling], dim=-1)
-    if mask is not None:
-        logits = logits + mask
-    top = logits.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    p = torch.exp(logits - top)
-    a = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    a = stored_and_exact_weights([logits], q, exact_k, scaling, mask)
     a_stored = a[..., :tq]
     rho_v = kernels.plane_rms(values.scale, -1)  # [B, H, T]
     pv = kernels.allocate_prefix(a_stored * rho_v[:, :, None, :], bits, value_budget)
