@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -545,6 +546,7 @@ struct ShiftRows {
     b = b_;
     h = h_;
   }
+  const uint8_t* row(int64_t t) const { return static_cast<const uint8_t*>(codes.at(b, h, t, 0)); }
 #ifdef KVB_AVX2
   // codes -> their values: the codes themselves, or the table's entries (two 8-entry halves)
   template <bool LOOKUP>
@@ -627,6 +629,163 @@ std::vector<int64_t> shift_order(int bits, int64_t head_dim) {
       for (int64_t l = 0; l < 8; ++l) pos[(8 * j + l) * per + s] = 8 * (j * per + s) + l;
   return pos;
 }
+
+#ifdef KVB_AVX2
+// Shift-layout codes used where they are unpacked, with no row buffer: the folded affine kernels'
+// inner loops for b = 1, 2, 4, 8 bits. Each performs, for every output element, the same multiply-adds
+// in the same order as the buffered path (dot_rows4 / dot_rows, the four-token axpy), so the results
+// are bit-identical to it; what goes is the store and reload of every unpacked row, which for a few
+// query rows (a decode step's GQA group) costs as much as the dot products themselves.
+
+// Vector s of the 8 bytes widened in x: bits [b s, b s + b) of each lane, as float.
+template <int BITS>
+inline __m256 shift_codes(__m256i x, int s, __m256i mask) {
+  if (BITS == 8) return _mm256_cvtepi32_ps(x);
+  const __m256i v = _mm256_srli_epi32(x, BITS * s);
+  // the top digit of a byte needs no mask
+  return _mm256_cvtepi32_ps(s == 8 / BITS - 1 ? v : _mm256_and_si256(v, mask));
+}
+
+inline __m256i widen8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// out[m * out_stride + u] = q[m, :] . codes(t0 + u) for u < n and MB query rows; q in shift order.
+template <int BITS, int MB>
+void shift_scores_block(const ShiftRows& rows, int64_t t0, int64_t n, const float* q, int64_t D, float* out,
+                        int64_t out_stride) {
+  constexpr int per = 8 / BITS;
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  const int64_t spans = D * BITS / 64;
+  int64_t u = 0;
+  for (; u + 4 <= n; u += 4) {
+    const uint8_t* r[4] = {rows.row(t0 + u), rows.row(t0 + u + 1), rows.row(t0 + u + 2), rows.row(t0 + u + 3)};
+    __m256 acc[4][MB];
+    for (int i = 0; i < 4; ++i)
+      for (int m = 0; m < MB; ++m) acc[i][m] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < spans; ++j) {
+      for (int s = 0; s < per; ++s) {
+        const float* qk = q + 8 * (j * per + s);
+        for (int i = 0; i < 4; ++i) {
+          const __m256 v = shift_codes<BITS>(widen8(r[i] + 8 * j), s, mask);
+          for (int m = 0; m < MB; ++m) acc[i][m] = _mm256_fmadd_ps(_mm256_loadu_ps(qk + m * D), v, acc[i][m]);
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      _mm_storeu_ps(out + m * out_stride + u, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+  }
+  for (; u < n; ++u) {
+    const uint8_t* r = rows.row(t0 + u);
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < spans; ++j)
+      for (int s = 0; s < per; ++s) {
+        const __m256 v = shift_codes<BITS>(widen8(r + 8 * j), s, mask);
+        for (int m = 0; m < MB; ++m)
+          acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(q + m * D + 8 * (j * per + s)), v, acc[m]);
+      }
+    for (int m = 0; m < MB; ++m) {
+      __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+      t = _mm_hadd_ps(t, t);
+      t = _mm_hadd_ps(t, t);
+      out[m * out_stride + u] = _mm_cvtss_f32(t);
+    }
+  }
+}
+
+template <int BITS>
+void shift_scores_rows(const ShiftRows& rows, int64_t t0, int64_t n, const float* q, int64_t M, int64_t D,
+                       float* out, int64_t out_stride) {
+  // query rows in blocks of up to four: dot_rows4 keeps one chain per (row, token), as here
+  for (int64_t m = 0; m < M; m += 4) {
+    const float* qm = q + m * D;
+    float* om = out + m * out_stride;
+    switch (std::min<int64_t>(4, M - m)) {
+      case 1: shift_scores_block<BITS, 1>(rows, t0, n, qm, D, om, out_stride); break;
+      case 2: shift_scores_block<BITS, 2>(rows, t0, n, qm, D, om, out_stride); break;
+      case 3: shift_scores_block<BITS, 3>(rows, t0, n, qm, D, om, out_stride); break;
+      default: shift_scores_block<BITS, 4>(rows, t0, n, qm, D, om, out_stride); break;
+    }
+  }
+}
+
+inline bool shift_scores(const ShiftRows& rows, int64_t t0, int64_t n, const float* q, int64_t M, int64_t D,
+                         float* out, int64_t out_stride) {
+  if (!rows.table.empty()) return false;
+  switch (rows.bits) {
+    case 1: shift_scores_rows<1>(rows, t0, n, q, M, D, out, out_stride); return true;
+    case 2: shift_scores_rows<2>(rows, t0, n, q, M, D, out, out_stride); return true;
+    case 4: shift_scores_rows<4>(rows, t0, n, q, M, D, out, out_stride); return true;
+    case 8: shift_scores_rows<8>(rows, t0, n, q, M, D, out, out_stride); return true;
+    default: return false;
+  }
+}
+
+// acc[m, :] += sum_u w[m][g(span)][u] codes(t0 + u) for MB rows, in token order; acc and the codes in
+// shift order; w(m, g) points at the weights of row m and channel group g for token t0.
+template <int BITS, int MB, int SB>
+void shift_mix_span(const ShiftRows& rows, int64_t t0, int64_t n, const float* const* w, int64_t j, int s0,
+                    float* const* acc) {
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  constexpr int per = 8 / BITS;
+  __m256 a[MB][SB];
+  for (int m = 0; m < MB; ++m)
+    for (int s = 0; s < SB; ++s) a[m][s] = _mm256_loadu_ps(acc[m] + 8 * (j * per + s0 + s));
+  for (int64_t u = 0; u < n; ++u) {
+    const __m256i x = widen8(rows.row(t0 + u) + 8 * j);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 wm = _mm256_set1_ps(w[m][u]);
+      for (int s = 0; s < SB; ++s) a[m][s] = _mm256_fmadd_ps(wm, shift_codes<BITS>(x, s0 + s, mask), a[m][s]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int s = 0; s < SB; ++s) _mm256_storeu_ps(acc[m] + 8 * (j * per + s0 + s), a[m][s]);
+}
+
+template <int BITS, int MB>
+void shift_mix_rows(const ShiftRows& rows, int64_t t0, int64_t n, const float* wsc, int64_t w_stride,
+                    int64_t ng, int64_t group, int64_t D, float* acc) {
+  constexpr int per = 8 / BITS, SB = per < 4 ? per : 4;
+  const int64_t spans = D * BITS / 64;
+  for (int64_t j = 0; j < spans; ++j) {
+    const int64_t gi = j * (64 / BITS) / group;
+    const float* w[MB];
+    float* am[MB];
+    for (int m = 0; m < MB; ++m) {
+      w[m] = wsc + (m * ng + gi) * w_stride;
+      am[m] = acc + m * D;
+    }
+    for (int s0 = 0; s0 < per; s0 += SB) shift_mix_span<BITS, MB, SB>(rows, t0, n, w, j, s0, am);
+  }
+}
+
+template <int BITS>
+void shift_mix_bits(const ShiftRows& rows, int64_t t0, int64_t n, const float* wsc, int64_t w_stride, int64_t M,
+                    int64_t ng, int64_t group, int64_t D, float* acc) {
+  for (int64_t m = 0; m < M; m += 3) {
+    const float* wm = wsc + m * ng * w_stride;
+    float* am = acc + m * D;
+    switch (std::min<int64_t>(3, M - m)) {
+      case 1: shift_mix_rows<BITS, 1>(rows, t0, n, wm, w_stride, ng, group, D, am); break;
+      case 2: shift_mix_rows<BITS, 2>(rows, t0, n, wm, w_stride, ng, group, D, am); break;
+      default: shift_mix_rows<BITS, 3>(rows, t0, n, wm, w_stride, ng, group, D, am); break;
+    }
+  }
+}
+
+inline bool shift_mix(const ShiftRows& rows, int64_t t0, int64_t n, const float* wsc, int64_t w_stride, int64_t M,
+                      int64_t ng, int64_t group, int64_t D, float* acc) {
+  if (!rows.table.empty()) return false;
+  switch (rows.bits) {
+    case 1: shift_mix_bits<1>(rows, t0, n, wsc, w_stride, M, ng, group, D, acc); return true;
+    case 2: shift_mix_bits<2>(rows, t0, n, wsc, w_stride, M, ng, group, D, acc); return true;
+    case 4: shift_mix_bits<4>(rows, t0, n, wsc, w_stride, M, ng, group, D, acc); return true;
+    case 8: shift_mix_bits<8>(rows, t0, n, wsc, w_stride, M, ng, group, D, acc); return true;
+    default: return false;
+  }
+}
+#endif
 
 at::Tensor check_rows(const at::Tensor& x, const char* name, int64_t B, int64_t H) {
   TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
@@ -810,6 +969,11 @@ at::Tensor channel_scores(const at::Tensor& q, const Rows& proto, const std::vec
           }
         }
         const int64_t stop = std::min(t1, (g + 1) * group);
+#ifdef KVB_AVX2
+        if constexpr (std::is_same_v<Rows, ShiftRows>) {
+          if (shift_scores(rows, t, stop - t, qs.data(), M, D, ob + t, T)) t = stop;
+        }
+#endif
         for (; t + kSlots <= stop; t += kSlots) {
           const float* x[kSlots] = {rows(t, 0), rows(t + 1, 1), rows(t + 2, 2), rows(t + 3, 3)};
           dot_rows4(qs.data(), M, D, x, ob + t, T);
@@ -899,6 +1063,11 @@ at::Tensor token_mix(const at::Tensor& p, const Rows& proto, const std::vector<i
         }
       }
       int64_t u = 0;
+#ifdef KVB_AVX2
+      if constexpr (std::is_same_v<Rows, ShiftRows>) {
+        if (vec && shift_mix(rows, t0, n, wsc.data(), kChunk, M, ng, group, D, acc)) u = n;
+      }
+#endif
       for (; u < n;) {
         const int k = u + kSlots <= n ? kSlots : 1;
         const float* x[kSlots];
