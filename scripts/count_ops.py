@@ -37,7 +37,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from kvbench.builder import LoadedModel
-from kvbench.cache import ATTN_IMPLEMENTATION
+from kvbench.cache import ATTN_IMPLEMENTATION, use_kvbench_attention
 from kvbench.cache.cache import take_active_layer
 from kvbench.cache.capture import AttentionModule
 from kvbench.errors import ConfigError
@@ -93,7 +93,7 @@ def build_model(geometry: dict, dtype: torch.dtype = torch.float32) -> LoadedMod
     torch.manual_seed(SEED)
     config = LlamaConfig(**geometry, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    use_kvbench_attention(model)
     model.generation_config.eos_token_id = None
     return LoadedModel(
         config=None, model=model, tokenizer=StubTokenizer(), shape=shape_of_config(config), load_s=0.0

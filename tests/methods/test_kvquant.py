@@ -376,7 +376,7 @@ def _tiny_model(kind):
     layers with their own RoPE: theta 1e4 default, theta 1e6 linear x8), with kvbench attention."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-    from kvbench.cache import ATTN_IMPLEMENTATION
+    from kvbench.cache import use_kvbench_attention
 
     sizes = dict(
         vocab_size=100,
@@ -402,7 +402,7 @@ def _tiny_model(kind):
             **sizes,
         )
         model = Gemma3ForCausalLM(config)
-    model.eval().set_attn_implementation(ATTN_IMPLEMENTATION)
+    use_kvbench_attention(model.eval())
     return model, shape_of_config(model.config)
 
 
