@@ -38,7 +38,6 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from kvbench.builder import LoadedModel
 from kvbench.cache import ATTN_IMPLEMENTATION, use_kvbench_attention
-from kvbench.cache.cache import take_active_layer
 from kvbench.cache.capture import AttentionModule
 from kvbench.errors import ConfigError
 from kvbench.generate import ModelRunner
@@ -151,9 +150,10 @@ def fill(runner: ModelRunner, cache, prompt: Prompt) -> None:
     scaling = shape.head_dim**-0.5
     for i in range(shape.num_layers):
         keys, values = cache.update(prompt.keys[i], prompt.values[i], i)
-        take_active_layer()  # attend is called here directly, not through the model's attention
         module = AttentionModule(i, shape.num_heads // shape.num_kv_heads, scaling)
-        cache.layers[i].attend(module, prompt.queries[i], keys, values, None, scaling=scaling)
+        # what the model's attention function does, without the model
+        layer = cache.layer_to_attend(i, keys)
+        layer.attend(module, prompt.queries[i], keys, values, None, scaling=scaling)
     runner.method.after_forward(cache, prompt.ids, prompt.logits)
 
 
