@@ -4,10 +4,10 @@ The attention contract, the one place it is written down:
 
 - A forward over a kvbench cache passes the cache twice: as transformers' ``cache`` (which calls
   :meth:`KVBenchCache.update` layer by layer) and as the keyword :data:`ATTENTION_KWARG`, which
-  transformers hands on untouched to the attention function of every layer
-  (:meth:`KVBenchCache.forward_kwargs` builds both; :meth:`kvbench.generate.ModelRunner.forward`
-  and every other forward in kvbench use it). transformers itself never gives the attention
-  function the cache, hence the second argument.
+  transformers hands on untouched to the attention function of every layer (as every decoder of
+  ``tests/tiny_archs.py`` does). :meth:`KVBenchCache.forward_kwargs` builds both;
+  :meth:`kvbench.generate.ModelRunner.forward` and every other forward in kvbench use it.
+  transformers itself never gives the attention function the cache, hence the second argument.
 - :meth:`KVBenchCache.update` lets the layer store the forward's tokens and remembers, on this
   cache, which keys the layer returned; the layer keeps what it took from storage for its own
   :meth:`KVLayer.attend` (:attr:`KVLayer.stored_for_attention`).
@@ -17,7 +17,8 @@ The attention contract, the one place it is written down:
   layer, never see each other's tokens.
 - A forward without the keyword (no cache, or transformers' own) is plain SDPA over what it is
   given; a forward over a kvbench cache without the keyword is refused at its first update where
-  the model passes its attention keywords to the cache (the Llama family, Mistral, Qwen2, Gemma3).
+  the model passes its attention keywords to the cache (Llama, Mistral, Qwen2, Gemma and most
+  decoders of transformers 5); elsewhere it would attend only the forward's own tokens.
 """
 
 from __future__ import annotations
