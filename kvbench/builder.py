@@ -7,7 +7,7 @@ model on the same attention implementation and the same method checks and prepar
 that a script comparing methods on one model loads it once:
 
 1. :func:`load_for_methods`: the model and tokenizer, loaded with kvbench's attention implementation
-   (:data:`kvbench.cache.ATTN_IMPLEMENTATION`, through which methods read their storage) in the
+   (registered here, :func:`kvbench.cache.register_attention`; methods read their storage through it) in the
    model config's dtype on a device, and the model's shape (the config's ``max_context`` wins).
 2. :meth:`LoadedModel.runner`: the method's checks against that shape (and a task's, when given),
    then the method's one-time :meth:`~kvbench.methods.Method.prepare` (offline calibration, forward
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvbench.cache import ATTN_IMPLEMENTATION
+from kvbench.cache import register_attention
 from kvbench.config import build_config
 from kvbench.data import resolve_data_root
 from kvbench.generate import ModelRunner
@@ -77,7 +77,7 @@ def load_for_methods(model: ModelConfig | dict[str, Any] | str, device: str = "a
     cfg = model_config(model)
     t0 = time.perf_counter()
     loaded, tokenizer = load_model(
-        cfg, attn_implementation=ATTN_IMPLEMENTATION, device=resolve_device(device)
+        cfg, attn_implementation=register_attention(), device=resolve_device(device)
     )
     load_s = time.perf_counter() - t0
     return LoadedModel(cfg, loaded, tokenizer, model_shape(loaded, cfg.max_context), load_s)

@@ -88,7 +88,7 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, cache: KVBenchCache) -> torch.Tensor:
         """``input_ids [1, t]`` appended to ``cache``; returns float32 logits ``[1, t, vocab]``."""
         input_ids = input_ids.to(self.device)
-        logits = self.model(input_ids=input_ids, cache=cache, use_cache=True).logits.float()
+        logits = self.model(input_ids=input_ids, **cache.forward_kwargs()).logits.float()
         self.method.after_forward(cache, input_ids, logits)
         return logits
 

@@ -56,13 +56,13 @@ def decode_run(
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1:]
+    logits = model(input_ids=ids, **cache.forward_kwargs()).logits[:, -1:]
     token = logits.argmax(-1)
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(new_tokens):
-        token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(input_ids=token, **cache.forward_kwargs()).logits[:, -1:].argmax(-1)
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0

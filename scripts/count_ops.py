@@ -37,8 +37,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from kvbench.builder import LoadedModel
-from kvbench.cache import ATTN_IMPLEMENTATION
-from kvbench.cache.cache import take_active_layer
+from kvbench.cache import ATTN_IMPLEMENTATION, use_kvbench_attention
 from kvbench.cache.capture import AttentionModule
 from kvbench.errors import ConfigError
 from kvbench.generate import ModelRunner
@@ -93,7 +92,7 @@ def build_model(geometry: dict, dtype: torch.dtype = torch.float32) -> LoadedMod
     torch.manual_seed(SEED)
     config = LlamaConfig(**geometry, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    use_kvbench_attention(model)
     model.generation_config.eos_token_id = None
     return LoadedModel(
         config=None, model=model, tokenizer=StubTokenizer(), shape=shape_of_config(config), load_s=0.0
@@ -151,9 +150,10 @@ def fill(runner: ModelRunner, cache, prompt: Prompt) -> None:
     scaling = shape.head_dim**-0.5
     for i in range(shape.num_layers):
         keys, values = cache.update(prompt.keys[i], prompt.values[i], i)
-        take_active_layer()  # attend is called here directly, not through the model's attention
         module = AttentionModule(i, shape.num_heads // shape.num_kv_heads, scaling)
-        cache.layers[i].attend(module, prompt.queries[i], keys, values, None, scaling=scaling)
+        # what the model's attention function does, without the model
+        layer = cache.layer_to_attend(i, keys)
+        layer.attend(module, prompt.queries[i], keys, values, None, scaling=scaling)
     runner.method.after_forward(cache, prompt.ids, prompt.logits)
 
 

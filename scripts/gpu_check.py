@@ -500,7 +500,7 @@ def build_model(sizes: Sizes, device: torch.device, count_ops):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from kvbench.builder import LoadedModel
-    from kvbench.cache import ATTN_IMPLEMENTATION
+    from kvbench.cache import use_kvbench_attention
     from kvbench.models.shape import shape_of_config
 
     torch.manual_seed(0)
@@ -508,7 +508,7 @@ def build_model(sizes: Sizes, device: torch.device, count_ops):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=sizes.dtype).eval()
     model = model.to(device)
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    use_kvbench_attention(model)
     model.generation_config.eos_token_id = None
     return LoadedModel(
         config=None,

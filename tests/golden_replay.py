@@ -63,13 +63,13 @@ def capture() -> None:
     """Record the fixture from the default model (needs `make assets`)."""
     from safetensors.torch import save_file
 
-    from kvbench.cache import ATTN_IMPLEMENTATION
+    from kvbench.cache import register_attention
     from kvbench.models import ModelConfig, load_model, model_node
     from kvbench.tasks.attention_probe import capture_window
     from kvbench.tasks.perplexity import load_text
 
     model, tok = load_model(
-        ModelConfig(**model_node("smollm2-135m")), attn_implementation=ATTN_IMPLEMENTATION
+        ModelConfig(**model_node("smollm2-135m")), attn_implementation=register_attention()
     )
     text = load_text(Path(__file__).resolve().parent / "fixtures" / "data", "pg19", "10146")
     ids = [tok.bos_token_id] + tok.encode(text, add_special_tokens=False)[: PREFILL + STEPS - 1]

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from kvbench.builder import LoadedModel
-from kvbench.cache import ATTN_IMPLEMENTATION
+from kvbench.cache import use_kvbench_attention
 from kvbench.models import ModelShape
 from kvbench.models.shape import shape_of_config
 
@@ -130,7 +130,7 @@ def tiny_model(arch: str) -> tuple[torch.nn.Module, ModelShape]:
     model = AutoModelForCausalLM.from_config({**CONFIGS, **DETAIL_CONFIGS}[arch]()).eval()
     if arch == "qwen2-key-outliers":
         _with_key_outliers(model)
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    use_kvbench_attention(model)
     model.generation_config.eos_token_id = None
     return model, shape_of_config(model.config)
 

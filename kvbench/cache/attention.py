@@ -1,8 +1,13 @@
-"""The ``kvbench`` attention implementation, registered with transformers.
+"""The ``kvbench`` attention implementation and its registration with transformers.
 
-Loading a model with ``attn_implementation="kvbench"`` routes every attention call through
-:func:`kvbench_attention`, which hands it to the layer storage just updated
-(:meth:`KVLayer.attend`), after recording it for an open
+:func:`register_attention` is the one place kvbench touches transformers' attention and mask registries;
+importing this module registers nothing. The model builder (:func:`kvbench.builder.load_for_methods`)
+calls it before loading a model with ``attn_implementation="kvbench"``, and
+:func:`use_kvbench_attention` calls it for a model built in memory (tests, scripts).
+
+A model using it routes every attention call through :func:`kvbench_attention`, which hands it to
+the storage of the cache passed as :data:`~kvbench.cache.cache.ATTENTION_KWARG` (the contract is
+written down in :mod:`kvbench.cache.cache`), after recording it for an open
 :func:`kvbench.cache.capture.capture_attention`. The matching mask entry is SDPA's boolean mask, so
 transformers builds the same causal/padding masks it builds for ``sdpa``.
 """
@@ -13,28 +18,36 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from kvbench.cache.cache import take_active_layer
+from kvbench.cache.cache import KVBenchCache
 from kvbench.cache.capture import active_capture
 
 ATTN_IMPLEMENTATION = "kvbench"
 
 
-def kvbench_attention(module, query, key, value, attention_mask, **kwargs):
-    """``query [B, H, q, D]``, ``key/value [B, H_kv, k, D]`` as returned by the cache update."""
+def kvbench_attention(module, query, key, value, attention_mask, kvbench_cache=None, **kwargs):
+    """``query [B, H, q, D]``, ``key/value [B, H_kv, k, D]`` as returned by the cache update;
+    ``kvbench_cache``: the forward's :class:`KVBenchCache` (None in a forward over no cache or
+    transformers' own, which is ordinary SDPA). Returns ``(out [B, q, H, D], None)``."""
     capture = active_capture()
     if capture is not None:
         capture.record(module, query, key, value, kwargs)
-    layer = take_active_layer(key)
-    if layer is None or layer.layer_idx != getattr(module, "layer_idx", None):
-        # Not a kvbench cache (e.g. a plain forward without cache): ordinary SDPA.
+    layer = None
+    if isinstance(kvbench_cache, KVBenchCache):
+        layer = kvbench_cache.layer_to_attend(getattr(module, "layer_idx", None), key)
+    if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return layer.attend(module, query, key, value, attention_mask, **kwargs)
 
 
-def register() -> str:
+def register_attention() -> str:
+    """Register :func:`kvbench_attention` and its mask under :data:`ATTN_IMPLEMENTATION` (again
+    is harmless); returns the name to load or set a model with."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvbench_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
     return ATTN_IMPLEMENTATION
 
 
-register()
+def use_kvbench_attention(model):
+    """Switch an in-memory ``model`` to kvbench attention (registering it first); returns it."""
+    model.set_attn_implementation(register_attention())
+    return model

@@ -1,32 +1,37 @@
-"""The kvbench cache: a transformers ``Cache`` whose layers are a method's :class:`KVLayer`s."""
+"""The kvbench cache: a transformers ``Cache`` whose layers are a method's :class:`KVLayer`s.
+
+The attention contract, the one place it is written down:
+
+- A forward over a kvbench cache passes the cache twice: as transformers' ``cache`` (which calls
+  :meth:`KVBenchCache.update` layer by layer) and as the keyword :data:`ATTENTION_KWARG`, which
+  transformers hands on untouched to the attention function of every layer (as every decoder of
+  ``tests/tiny_archs.py`` does). :meth:`KVBenchCache.forward_kwargs` builds both;
+  :meth:`kvbench.generate.ModelRunner.forward` and every other forward in kvbench use it.
+  transformers itself never gives the attention function the cache, hence the second argument.
+- :meth:`KVBenchCache.update` lets the layer store the forward's tokens and remembers, on this
+  cache, which keys the layer returned; the layer keeps what it took from storage for its own
+  :meth:`KVLayer.attend` (:attr:`KVLayer.stored_for_attention`).
+- The attention function (:func:`kvbench.cache.attention.kvbench_attention`) asks the cache it was
+  handed for the layer of its module (:meth:`KVBenchCache.layer_to_attend`) and calls its
+  ``attend``. No state outside the cache object is involved, so two caches used in turn, layer by
+  layer, never see each other's tokens.
+- A forward without the keyword (no cache, or transformers' own) is plain SDPA over what it is
+  given; a forward over a kvbench cache without the keyword is refused at its first update where
+  the model passes its attention keywords to the cache (Llama, Mistral, Qwen2, Gemma and most
+  decoders of transformers 5); elsewhere it would attend only the forward's own tokens.
+"""
 
 from __future__ import annotations
 
-import contextvars
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
 from kvbench.cache.layer import KVLayer
 
-# The layer that was updated last. A transformers attention module calls ``cache.update`` and then
-# its attention function, one layer at a time, so the attention function finds its storage here
-# without the model having to pass the cache along.
-_ACTIVE_LAYER: contextvars.ContextVar[tuple[KVLayer, torch.Tensor] | None] = contextvars.ContextVar(
-    "kvbench_layer", default=None
-)
-
-
-def take_active_layer(key: torch.Tensor | None = None) -> KVLayer | None:
-    """The layer just updated, once: the pointer is cleared so a later forward over another cache
-    (or none) never finds a stale layer. With ``key``, only if the attention call reads the keys that
-    update returned (a forward without a kvbench cache, after a bare ``update``, gets None)."""
-    active = _ACTIVE_LAYER.get()
-    _ACTIVE_LAYER.set(None)
-    if active is None:
-        return None
-    layer, returned = active
-    return layer if key is None or key is returned else None
+# The keyword under which a forward hands its kvbench cache to the attention function.
+ATTENTION_KWARG = "kvbench_cache"
 
 
 class KVBenchCache(Cache):
@@ -34,9 +39,34 @@ class KVBenchCache(Cache):
 
     def __init__(self, layers: list[KVLayer]):
         super().__init__(layers=layers)
+        # layer index -> the keys its latest update returned, until attention takes that layer
+        self._returned: dict[int, torch.Tensor] = {}
+
+    def forward_kwargs(self) -> dict[str, Any]:
+        """The keywords of a model forward over this cache: ``model(input_ids=ids,
+        **cache.forward_kwargs())``."""
+        return {"cache": self, "use_cache": True, ATTENTION_KWARG: self}
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        forward = kwargs.get("kwargs")
+        if isinstance(forward, dict) and forward.get(ATTENTION_KWARG) is not self:
+            # the model handed us its attention keywords, and this cache is not among them: the
+            # attention function would attend only what update returns
+            raise RuntimeError(
+                f"a forward over a kvbench cache must hand it to attention too: call the model with "
+                f"**cache.forward_kwargs() (keyword {ATTENTION_KWARG!r}), not cache=cache alone"
+            )
         layer = self.layers[layer_idx]
-        out = layer.update(key_states, value_states, *args, **kwargs)
-        _ACTIVE_LAYER.set((layer, out[0]))
-        return out
+        keys, values = layer.update(key_states, value_states, *args, **kwargs)
+        self._returned[layer_idx] = keys
+        return keys, values
+
+    def layer_to_attend(self, layer_idx: int | None, keys: torch.Tensor) -> KVLayer | None:
+        """The layer whose latest :meth:`update` returned ``keys`` ``[B, H_kv, k, D]``, once (a
+        second call for the same update gets None). None too when the attention call reads other
+        keys than that update returned (a model that shares or recomputes keys), so that the
+        caller falls back to attending ``keys`` as given."""
+        returned = self._returned.pop(layer_idx, None) if layer_idx is not None else None
+        if returned is None or returned is not keys:
+            return None
+        return self.layers[layer_idx]

@@ -94,6 +94,13 @@ class KVLayer(CacheLayerMixin):
         self.num_tokens = 0
         self._pending: StoredTokens | None = None  # what update() took for attend()
 
+    @property
+    def stored_for_attention(self) -> StoredTokens | None:
+        """What the latest :meth:`update` took from storage for the :meth:`attend` that follows it
+        (None: nothing stored before that forward, or a layer whose attend reads its stores its own
+        way). The layer's half of the contract in :mod:`kvbench.cache.cache`."""
+        return self._pending
+
     # -- storage, implemented by each method -------------------------------------------------
     @abstractmethod
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -208,7 +208,7 @@ class EvictionMethod(Method):
                 k, v = torch.randn(
                     2, batch, s.num_kv_heads, prompt_len + new_tokens, s.head_dim, generator=gen
                 ).to(device, dtype)
-                # the layer's own update: the cache-level one would publish it as the active layer
+                # no forward follows: the layer's own update, no attention owed to the cache
                 layer.update(k[..., :prompt_len, :], v[..., :prompt_len, :])
                 for t in range(prompt_len, prompt_len + new_tokens):
                     layer.update(k[..., t : t + 1, :], v[..., t : t + 1, :])

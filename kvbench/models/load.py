@@ -27,9 +27,10 @@ def load_model(
     """Load ``(model, tokenizer)`` in eval mode, without gradients, in ``cfg.dtype`` on ``device``.
 
     ``attn_implementation`` may be a built-in name ("sdpa", "eager") or a name registered beforehand
-    with ``transformers.AttentionInterface.register`` (e.g. "kvbench"). Register a mask function under
-    the same name too (``ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)``): for a name it has no
-    mask function for, transformers passes ``attention_mask=None``, silently dropping padding.
+    with ``transformers.AttentionInterface.register`` (kvbench's own: the name
+    :func:`kvbench.cache.register_attention` returns). Register a mask function under the same name
+    too (``ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)``): for a name it has no mask
+    function for, transformers passes ``attention_mask=None``, silently dropping padding.
     """
     if cfg.source == "path":
         folder = _local_folder(cfg.path)

@@ -238,8 +238,7 @@ def capture(
         # Only the logits that predict the decode positions are needed (the full [N, vocab] is large).
         out = model(
             input_ids=torch.tensor([ids], device=device),
-            cache=exact.new_cache(shape, model.dtype),
-            use_cache=True,
+            **exact.new_cache(shape, model.dtype).forward_kwargs(),
             logits_to_keep=decode + 1,
         )
     spec = out.logits[0, :-1].float().argmax(dim=-1).tolist()  # predictions for start..n-1
@@ -255,8 +254,7 @@ def capture(
         with capture_attention(layers) as step:
             model(
                 input_ids=torch.tensor([[spec[j]]], device=device),
-                cache=cache,
-                use_cache=True,
+                **cache.forward_kwargs(),
                 logits_to_keep=1,
             )
         for i in layers:

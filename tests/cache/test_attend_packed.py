@@ -117,6 +117,6 @@ def test_decode_attends_sources_not_a_rebuilt_cache(case):
     past_k, past_v = layer.read()
     keys, values = layer.update(k[:, :, 200:], v[:, :, 200:])
     assert torch.equal(keys, k[:, :, 200:]) and torch.equal(values, v[:, :, 200:])
-    dense_k, dense_v = dense_stored(layer._pending, 200)
+    dense_k, dense_v = dense_stored(layer.stored_for_attention, 200)
     torch.testing.assert_close(dense_k, past_k.float(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(dense_v, past_v.float(), rtol=1e-6, atol=1e-6)

@@ -4,7 +4,7 @@ a kvbench cache), output hooks, and replaying captured tensors through a method'
 import pytest
 import torch
 
-from kvbench.cache import ATTN_IMPLEMENTATION
+from kvbench.cache import use_kvbench_attention
 from kvbench.cache.capture import OutputCapture, active_capture, capture_attention, replay
 from kvbench.methods import ModelShape, build_method
 
@@ -21,7 +21,7 @@ def tiny():
         num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
     )  # fmt: skip
     model = LlamaForCausalLM(config).eval()
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    use_kvbench_attention(model)
     return model
 
 
@@ -31,7 +31,7 @@ def test_attention_records_what_the_cache_returned_and_only_inside_the_block(tin
     exact = build_method({"name": "fp16", "fp_dtype": "auto"})
     cache = exact.new_cache(SHAPE, torch.float32)
     with capture_attention([1]) as cap:
-        tiny(input_ids=ids[:, :10], cache=cache, use_cache=True)
+        tiny(input_ids=ids[:, :10], **cache.forward_kwargs())
         assert active_capture() is cap
     assert active_capture() is None and set(cap.records) == {1}
     rec = cap.records[1]
@@ -42,7 +42,7 @@ def test_attention_records_what_the_cache_returned_and_only_inside_the_block(tin
     # a decode step: the cache returns the new token only (the 10 stored ones are attended from
     # storage, blockwise), and that is what is recorded
     with capture_attention() as step:
-        tiny(input_ids=ids[:, 10:11], cache=cache, use_cache=True)
+        tiny(input_ids=ids[:, 10:11], **cache.forward_kwargs())
     assert step.records[0].query.shape == (1, 4, 1, 8) and step.records[1].keys.shape == (1, 2, 1, 8)
     assert torch.equal(step.records[1].keys, cache.layers[1].read()[0][:, :, 10:].float())
     # without a kvbench cache the forward's own states are recorded: the same prompt, the same keys

@@ -35,7 +35,7 @@ def test_update_stores_sink_first_and_attends_past_from_sources():
     k, v = torch.randn(2, 1, 2, 21, 64).unbind(0)
     layer, (keys, values) = fill({"name": "kivi", "bits": 2, "residual": 32, "sink_tokens": 1}, k, v, [20, 1])
     assert torch.equal(keys, k[:, :, -1:])  # this forward's token, exact
-    stored = layer._pending  # the 20 tokens stored before it: fp16 sink, then KIVI's stores
+    stored = layer.stored_for_attention  # the 20 tokens stored before it: fp16 sink, then KIVI's stores
     assert stored.num_entries == 20 and stored.positions is None
     assert torch.equal(stored.keys.read(0, 1), k[:, :, :1].half().float())
     assert torch.equal(stored.keys.read(1, 20), layer.inner.read()[0][:, :, :19].float())

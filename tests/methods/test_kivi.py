@@ -71,7 +71,7 @@ def test_update_attends_stored_past_from_sources_and_new_tokens_exactly():
     # update returns this forward's exact tokens; the stored past is read from packed sources taken
     # before the append, which still read what was stored then
     assert torch.equal(keys, k[:, :, 300:]) and torch.equal(values, v[:, :, 300:])
-    stored = layer._pending
+    stored = layer.stored_for_attention
     # (float32 parameters: a block read's fused multiply-add may round the last bit differently)
     torch.testing.assert_close(stored.keys.read(0, 300), past_k.float(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(stored.values.read(0, 300), past_v.float(), rtol=1e-6, atol=1e-6)

@@ -376,7 +376,7 @@ def _tiny_model(kind):
     layers with their own RoPE: theta 1e4 default, theta 1e6 linear x8), with kvbench attention."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-    from kvbench.cache import ATTN_IMPLEMENTATION
+    from kvbench.cache import use_kvbench_attention
 
     sizes = dict(
         vocab_size=100,
@@ -402,7 +402,7 @@ def _tiny_model(kind):
             **sizes,
         )
         model = Gemma3ForCausalLM(config)
-    model.eval().set_attn_implementation(ATTN_IMPLEMENTATION)
+    use_kvbench_attention(model.eval())
     return model, shape_of_config(model.config)
 
 
@@ -410,12 +410,8 @@ def _tiny_model(kind):
 def _keys_around_rope(model, shape, positions):
     """Per layer: the pre-RoPE keys the model computes (k_proj output, after k_norm where the
     attention has one) and the post-RoPE keys and values its attention receives, ``[1, H_kv, T, D]``."""
-    from kvbench.cache.cache import take_active_layer
     from kvbench.cache.capture import OutputCapture, capture_attention
 
-    # a cache.update called directly (other tests here) leaves its layer as the one the next
-    # attention call of that index reads; this forward has no cache, so that pointer is dropped
-    take_active_layer()
     attns = [m for name, m in model.named_modules() if name.endswith("self_attn")]
     t = positions.shape[0]
 
@@ -501,10 +497,8 @@ def test_gemma3_calibrates_on_k_norm_outputs_and_post_rope_per_layer(tmp_path, c
 
 @torch.no_grad()
 def _keys_around_rope_of(model, shape, ids):
-    from kvbench.cache.cache import take_active_layer
     from kvbench.cache.capture import capture_attention
 
-    take_active_layer()  # no stale cache layer (see _keys_around_rope)
     with capture_attention() as post:
         model(ids, use_cache=False)
     return [post.records[i].keys for i in range(shape.num_layers)]

@@ -154,7 +154,7 @@ def test_attention_over_the_three_parts_equals_dense_attention_over_the_position
     keys, values = layer.update(k[:, :, t:], v[:, :, t:])
     assert torch.equal(keys, k[:, :, t:])
     # every position 0..t-1 is attended exactly once: hidden entries are the pooled tokens' codes
-    pos = layer._pending.positions
+    pos = layer.stored_for_attention.positions
     for h in range(2):
         seen = pos[0, h][pos[0, h] >= 0]
         assert sorted(seen.tolist()) == list(range(t))

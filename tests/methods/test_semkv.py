@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvbench.cache import ATTN_IMPLEMENTATION, memory_report
+from kvbench.cache import memory_report, use_kvbench_attention
 from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape, build_method
 from kvbench.methods.semkv import semkv_layers
@@ -279,7 +279,7 @@ def tiny_model():
         max_position_embeddings=256,
     )
     model = LlamaForCausalLM(config).eval()
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    use_kvbench_attention(model)
     return model, ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
 
 
@@ -297,7 +297,7 @@ def test_every_metric_runs_through_a_model_with_delayed_chunks(tiny, metric):
 
     @torch.no_grad()
     def forward(ids):  # as the decode loop does
-        m.after_forward(cache, ids, model(input_ids=ids, cache=cache, use_cache=True).logits.float())
+        m.after_forward(cache, ids, model(input_ids=ids, **cache.forward_kwargs()).logits.float())
 
     ids = torch.randint(0, 40, (1, 30))
     forward(ids[:, :20])

@@ -120,7 +120,7 @@ def test_substitution_puts_the_prefetched_fp16_rows_back():
     layer.plan = Plan(store=1, select=None, use_fetched=True)
     new_k, new_v = layer.update(k[:, :, 8:], v[:, :, 8:])
     assert torch.equal(new_k, k[:, :, 8:]) and torch.equal(new_v, v[:, :, 8:])  # attended exactly
-    got_k, got_v = dense_stored(layer._pending, 8)  # what the step attends from storage
+    got_k, got_v = dense_stored(layer.stored_for_attention, 8)  # what the step attends from storage
     for got, low, exact in ((got_k, low_k, k), (got_v, low_v, v)):
         fetched = exact[:, :, [1, 6]].half().float()
         assert torch.equal(got[:, :, [1, 6]], fetched)
