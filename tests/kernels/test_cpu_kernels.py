@@ -358,3 +358,23 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(tmp_path, capsys):
     cpu._clear_stale_lock(tmp_path)
     assert not lock.exists()
     assert "stale kernel build lock" in capsys.readouterr().err
+
+
+# the vector digit decoder (non-power-of-two levels, chunks of 1-3 bytes): head_dims that leave a
+# partial chunk and a partial block of 8 chunks, and code tensors that end exactly at the last row
+# (the decoder's reads past a row must stay inside the storage)
+@pytest.mark.parametrize("levels", [3, 5, 6, 7, 9, 10, 11, 12, 13, 15])
+@pytest.mark.parametrize("d", [20, 40, 96])
+@pytest.mark.parametrize("grown", [False, True])
+def test_digit_decoded_codes_at_any_head_dim(reader, levels, d, grown):
+    view = grown_view if grown else (lambda x: x.contiguous())
+    for seed, (m, t) in enumerate([(3, 37), (1, 1), (6, 260)]):
+        g, q, p = inputs(100 + seed, 1, 2, m, t, d)
+        codes = view(random_codes(g, levels, 1, 2, t, d))
+        scale = view((torch.rand(1, 2, t, 1, generator=g) + 0.1).half())
+        zero = view(torch.randn(1, 2, t, 1, generator=g).half())
+        where = f"digits L={levels} d={d} m={m} t={t} grown={grown} seed={100 + seed}"
+        both(reader, PerTokenAffineSource(codes, scale, zero, levels, d, d), q, p, f"{where} affine")
+        codebook = torch.randn(levels, generator=g).sort().values
+        part = CodebookSource(codes, levels, d, codebook, scale=scale, zero=zero)
+        both(reader, part, q, p, f"{where} codebook")

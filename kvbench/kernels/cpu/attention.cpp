@@ -358,6 +358,7 @@ struct CodeRows {
     scale.bind(b_, h_);
     zero.bind(b_, h_);
   }
+  int64_t width() const { return head_dim; }
 
   template <int C>
   void unpack_bytes(const uint8_t* row, int64_t nbytes, float* dst) {
@@ -547,6 +548,7 @@ struct ShiftRows {
     h = h_;
   }
   const uint8_t* row(int64_t t) const { return static_cast<const uint8_t*>(codes.at(b, h, t, 0)); }
+  int64_t width() const { return head_dim; }
 #ifdef KVB_AVX2
   // codes -> their values: the codes themselves, or the table's entries (two 8-entry halves)
   template <bool LOOKUP>
@@ -786,6 +788,139 @@ inline bool shift_mix(const ShiftRows& rows, int64_t t0, int64_t n, const float*
   }
 }
 #endif
+
+#ifdef KVB_AVX2
+// Codes of a level count that is not a power of two (base-L chunks of one to three bytes, L <= 16,
+// the chunk's value below 2^24) unpacked with vector arithmetic instead of a byte table: one lane per
+// chunk, eight chunks at a time, the digits peeled off by d = v - L floor((v + 1/2) / L), exact in
+// float for v below 2^22 / L. Three-byte words (L = 5: ten digits below 5^10) are first split into
+// two halves by one division in double. The row comes out digit-major: block k of 8 chunks, digit i,
+// lane j, at position (k C + i) 8 + j, holds channel (8 k + j) C + i (`digit_order`); positions past
+// the last channel hold finite padding, which the kernels meet only with zero query entries or
+// discard. A row's last block reads up to 31 bytes past it, so rows near the end of the code storage
+// are first copied to a zero-padded buffer.
+struct DigitRows {
+  View4 codes;
+  int64_t levels, head_dim, C, M, blocks, width_;
+  const uint8_t* end;  // one past the last readable byte of the code storage
+  bool lookup;         // the table is not the codes themselves
+  std::vector<float> table, out;
+  std::vector<uint8_t> padded;
+  int64_t b = 0, h = 0;
+
+  DigitRows(const at::Tensor& codes_, int64_t levels_, int64_t head_dim_, int64_t chunk_codes, int64_t chunk_bytes,
+            const float* table_)
+      : codes(codes_), levels(levels_), head_dim(head_dim_), C(chunk_codes), M(chunk_bytes) {
+    const int64_t chunks = (head_dim + C - 1) / C;
+    blocks = (chunks + 7) / 8;
+    width_ = blocks * C * 8;
+    const auto& storage = codes_.storage();
+    end = static_cast<const uint8_t*>(storage.data()) + storage.nbytes();
+    table.assign(16, 0.f);
+    lookup = false;
+    for (int64_t l = 0; l < levels; ++l) {
+      table[l] = table_[l];
+      lookup = lookup || table_[l] != static_cast<float>(l);
+    }
+    out.resize(kSlots * width_);
+    padded.assign(codes.cols + 64, 0);
+  }
+  void bind(int64_t b_, int64_t h_) {
+    b = b_;
+    h = h_;
+  }
+  int64_t width() const { return width_; }
+
+  inline __m256i words(const uint8_t* r) const {
+    if (M == 1) return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r)));
+    if (M == 2) return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r)));
+    // bytes 0..11 to the low half, 12..23 to the high half, then 3 bytes per 32-bit lane
+    const __m256i x = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 3, 4, 5, 6));
+    const __m256i shuf = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,  //
+                                          0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+    return _mm256_shuffle_epi8(x, shuf);
+  }
+  inline __m256 value(__m256 d, __m256 lo, __m256 hi) const {
+    if (!lookup) return d;
+    const __m256i c = _mm256_cvttps_epi32(d);
+    const __m256 a = _mm256_permutevar8x32_ps(lo, c);
+    if (levels <= 8) return a;
+    const __m256 e = _mm256_permutevar8x32_ps(hi, c);
+    return _mm256_blendv_ps(a, e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7))));
+  }
+  // the n digits of v (lanes below 2^22 / L), digit i to dst + 8 i
+  inline void digits(__m256 v, int64_t n, float* dst, __m256 lo, __m256 hi) const {
+    const __m256 L = _mm256_set1_ps(static_cast<float>(levels)), inv = _mm256_set1_ps(1.f / levels);
+    const __m256 half = _mm256_set1_ps(0.5f);
+    for (int64_t i = 0; i + 1 < n; ++i) {
+      const __m256 q = _mm256_floor_ps(_mm256_mul_ps(_mm256_add_ps(v, half), inv));
+      _mm256_storeu_ps(dst + 8 * i, value(_mm256_fnmadd_ps(q, L, v), lo, hi));
+      v = q;
+    }
+    _mm256_storeu_ps(dst + 8 * (n - 1), value(v, lo, hi));
+  }
+  const float* operator()(int64_t t, int slot) {
+    const uint8_t* r = static_cast<const uint8_t*>(codes.at(b, h, t, 0));
+    if (r + blocks * 8 * M + 8 > end) {
+      std::memcpy(padded.data(), r, codes.cols);
+      r = padded.data();
+    }
+    float* dst = out.data() + slot * width_;
+    const __m256 lo = _mm256_loadu_ps(table.data()), hi = _mm256_loadu_ps(table.data() + 8);
+    for (int64_t k = 0; k < blocks; ++k) {
+      const __m256i w = words(r + k * 8 * M);
+      float* o = dst + k * C * 8;
+      if (M < 3) {
+        digits(_mm256_cvtepi32_ps(w), C, o, lo, hi);
+        continue;
+      }
+      // split each word at S = L^(C/2) into a high and a low part, both below 2^22 / L
+      const int64_t low = C / 2;
+      double S = 1;
+      for (int64_t i = 0; i < low; ++i) S *= static_cast<double>(levels);
+      const __m256d s = _mm256_set1_pd(S), inv = _mm256_set1_pd(1.0 / S), half = _mm256_set1_pd(0.5);
+      __m128 qh[2], ql[2];
+      for (int part = 0; part < 2; ++part) {
+        const __m256d x = _mm256_cvtepi32_pd(part == 0 ? _mm256_castsi256_si128(w) : _mm256_extracti128_si256(w, 1));
+        const __m256d q = _mm256_floor_pd(_mm256_mul_pd(_mm256_add_pd(x, half), inv));
+        qh[part] = _mm256_cvtpd_ps(q);
+        ql[part] = _mm256_cvtpd_ps(_mm256_fnmadd_pd(q, s, x));
+      }
+      digits(_mm256_set_m128(ql[1], ql[0]), low, o, lo, hi);
+      digits(_mm256_set_m128(qh[1], qh[0]), C - low, o + 8 * low, lo, hi);
+    }
+    return dst;
+  }
+};
+#endif
+
+// Whether DigitRows decodes this layout: every value it divides stays below 2^22 / L.
+bool digit_rows_fit(int64_t levels, int64_t chunk_codes, int64_t chunk_bytes) {
+#ifdef KVB_AVX2
+  if (is_pow2(levels) || levels > 16 || chunk_bytes < 1 || chunk_bytes > 3) return false;
+  const int64_t low = chunk_bytes == 3 ? chunk_codes / 2 : chunk_codes;
+  double top = 1, part = 1;
+  for (int64_t i = 0; i < chunk_codes; ++i) top *= static_cast<double>(levels);
+  for (int64_t i = 0; i < std::max(low, chunk_codes - low); ++i) part *= static_cast<double>(levels);
+  return top <= 16777216.0 && part * levels < 4194304.0;
+#else
+  (void)levels;
+  (void)chunk_codes;
+  (void)chunk_bytes;
+  return false;
+#endif
+}
+
+// pos[d]: where channel d lands in a DigitRows row
+std::vector<int64_t> digit_order(int64_t chunk_codes, int64_t head_dim) {
+  std::vector<int64_t> pos(head_dim);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const int64_t chunk = d / chunk_codes, i = d % chunk_codes;
+    pos[d] = ((chunk / 8) * chunk_codes + i) * 8 + chunk % 8;
+  }
+  return pos;
+}
 
 at::Tensor check_rows(const at::Tensor& x, const char* name, int64_t B, int64_t H) {
   TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
@@ -1029,10 +1164,15 @@ at::Tensor token_mix(const at::Tensor& p, const Rows& proto, const std::vector<i
   const float* pp = p.data_ptr<float>();
   float* part = partial.data_ptr<float>();
   const bool vec = group % 8 == 0;
+  // the decoder's row may be wider than D (DigitRows' padding); its permutation then spans the row,
+  // so it must hold one group
+  const int64_t R = proto.width();
+  TORCH_CHECK(R == D || ng == 1, "a padded row order needs one channel group");
+  const int64_t gw = R == D ? group : R;
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
     Rows rows = proto;
     // the chunk's scales and zeros as float32 [kChunk, ng], and the scaled weights p_t s_t,g
-    std::vector<float> sc(kChunk * ng), zc(kChunk * ng), wsc(M * kChunk * ng), accp(M * D);
+    std::vector<float> sc(kChunk * ng), zc(kChunk * ng), wsc(M * kChunk * ng), accp(M * R);
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
       rows.bind(b, h);
@@ -1059,7 +1199,7 @@ at::Tensor token_mix(const at::Tensor& p, const Rows& proto, const std::vector<i
             zsum += pm * zc[u * ng + gi];
           }
           // a group's positions are a permutation of its channels, so the zero term is the same
-          for (int64_t d = gi * group; d < (gi + 1) * group; ++d) acc[m * D + d] += zsum;
+          for (int64_t d = gi * gw; d < (gi + 1) * gw; ++d) acc[m * R + d] += zsum;
         }
       }
       int64_t u = 0;
@@ -1073,10 +1213,10 @@ at::Tensor token_mix(const at::Tensor& p, const Rows& proto, const std::vector<i
         const float* x[kSlots];
         for (int j = 0; j < k; ++j) x[j] = rows(t0 + u + j, j);
         for (int64_t m = 0; m < M; ++m) {
-          float* am = acc + m * D;
+          float* am = acc + m * R;
           for (int64_t gi = 0; gi < ng; ++gi) {
             const float* wg = wsc.data() + (m * ng + gi) * kChunk + u;
-            const int64_t d0 = gi * group, d1 = d0 + group;
+            const int64_t d0 = gi * gw, d1 = d0 + gw;
 #ifdef KVB_AVX2
             if (vec && k == kSlots) {
               const __m256 w0 = _mm256_set1_ps(wg[0]), w1 = _mm256_set1_ps(wg[1]);
@@ -1103,7 +1243,7 @@ at::Tensor token_mix(const at::Tensor& p, const Rows& proto, const std::vector<i
         u += k;
       }
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t d = 0; d < D; ++d) out[m * D + d] = acc[m * D + pos[d]];
+        for (int64_t d = 0; d < D; ++d) out[m * D + d] = acc[m * R + pos[d]];
     }
   });
   return partial.sum(1).view({B, H, M, D});
@@ -1128,6 +1268,13 @@ at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, 
       return token_mix(p, ShiftRows(View4(codes), bits, D), shift_order(bits, D), sv, zv, D, group);
     }
   }
+#ifdef KVB_AVX2
+  if (group == D && digit_rows_fit(levels, chunk_codes, chunk_bytes)) {
+    const at::Tensor ident = identity_table(levels);
+    return token_mix(p, DigitRows(codes, levels, D, chunk_codes, chunk_bytes, ident.data_ptr<float>()),
+                     digit_order(chunk_codes, D), sv, zv, D, group);
+  }
+#endif
   CodeTables tables = make_tables(identity_table(levels), levels, chunk_codes, chunk_bytes);
   const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
   return token_mix(p, proto, identity_order(D), sv, zv, D, group);
@@ -1213,7 +1360,9 @@ at::Tensor token_param_scores(const at::Tensor& q, const Rows& proto, const std:
   const int64_t chunks = (T + kChunk - 1) / kChunk;
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
     Rows rows = proto;
-    std::vector<float> qperm(M * D), qsum(M);
+    // the decoder's row may be wider than D (DigitRows' padding): its extra positions meet zeros
+    const int64_t R = rows.width();
+    std::vector<float> qperm(M * R), qsum(M);
     int64_t bound = -1;
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
@@ -1225,7 +1374,7 @@ at::Tensor token_param_scores(const at::Tensor& q, const Rows& proto, const std:
         for (int64_t m = 0; m < M; ++m) {
           float acc = 0.f;
           for (int64_t d = 0; d < D; ++d) {
-            qperm[m * D + pos[d]] = qb[m * D + d];
+            qperm[m * R + pos[d]] = qb[m * D + d];
             acc += qb[m * D + d];
           }
           qsum[m] = acc;
@@ -1235,9 +1384,9 @@ at::Tensor token_param_scores(const at::Tensor& q, const Rows& proto, const std:
       int64_t t = t0;
       for (; t + kSlots <= t1; t += kSlots) {
         const float* x[kSlots] = {rows(t, 0), rows(t + 1, 1), rows(t + 2, 2), rows(t + 3, 3)};
-        dot_rows4(qperm.data(), M, D, x, ob + t, T);
+        dot_rows4(qperm.data(), M, R, x, ob + t, T);
       }
-      for (; t < t1; ++t) dot_rows(qperm.data(), M, D, rows(t, 0), ob + t, T);
+      for (; t < t1; ++t) dot_rows(qperm.data(), M, R, rows(t, 0), ob + t, T);
       if (sp.view.valid() || zp.view.valid()) {
         for (int64_t u = t0; u < t1; ++u) {
           const float s = sp.get(b, h, u), z = zp.get(b, h, u);
@@ -1269,7 +1418,13 @@ at::Tensor codebook_token_scores(const at::Tensor& query, const at::Tensor& code
   auto q = check_rows(query, "query", B, H);
   auto tab = table.to(at::kFloat).contiguous();
   if (!codebook_foldable(levels, D, chunk_bytes, scale, zero, T)) {
-    // base-L words and other byte layouts: the table decoder, still with the affine map folded
+    // base-L words and other byte layouts: the vector digit decoder or the table decoder, still
+    // with the affine map folded
+#ifdef KVB_AVX2
+    if (digit_rows_fit(levels, chunk_codes, chunk_bytes))
+      return token_param_scores(q, DigitRows(codes, levels, D, chunk_codes, chunk_bytes, tab.data_ptr<float>()),
+                                digit_order(chunk_codes, D), scale, zero, B, H, M, D, T);
+#endif
     const CodeTables tables = make_tables(tab, levels, chunk_codes, chunk_bytes);
     const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
     return token_param_scores(q, proto, identity_order(D), scale, zero, B, H, M, D, T);
