@@ -851,10 +851,11 @@ struct DigitRows {
   }
   // the n digits of v (lanes below 2^22 / L), digit i to dst + 8 i
   inline void digits(__m256 v, int64_t n, float* dst, __m256 lo, __m256 hi) const {
+    // (v + 1/2) / L as one fused multiply-add: a single rounding, inside the same margin
     const __m256 L = _mm256_set1_ps(static_cast<float>(levels)), inv = _mm256_set1_ps(1.f / levels);
-    const __m256 half = _mm256_set1_ps(0.5f);
+    const __m256 bias = _mm256_set1_ps(0.5f / levels);
     for (int64_t i = 0; i + 1 < n; ++i) {
-      const __m256 q = _mm256_floor_ps(_mm256_mul_ps(_mm256_add_ps(v, half), inv));
+      const __m256 q = _mm256_floor_ps(_mm256_fmadd_ps(v, inv, bias));
       _mm256_storeu_ps(dst + 8 * i, value(_mm256_fnmadd_ps(q, L, v), lo, hi));
       v = q;
     }
