@@ -124,3 +124,42 @@ def test_no_entries_change_nothing(module):
     base = torch.randn(b, h, 2, t, generator=g)
     got = _correct_scores(base.clone(), part, torch.randn(b, h, 2, d, generator=g), None, module)
     assert torch.equal(got, base), "seed=3"
+
+
+@pytest.mark.parametrize("levels", [2, 4, 8, 16])
+@pytest.mark.parametrize("fixed", [True, False])
+def test_rope_code_scores_equal_the_rope_source(module, levels, fixed):
+    """The vector decoder of pre-RoPE codebook keys equals :class:`RoPESource` over the dense codes
+    (no outliers: those are added by ``outlier_scores``), or declines (None) a layout it does not take."""
+    for seed in range(4):
+        s = 1000 + 10 * levels + seed
+        g, part, (b, h, t, d) = store(s, levels, fixed, 0, d=[64, 32, 128, 48][seed])
+        part.outliers = None
+        m = int(torch.randint(1, 6, (1,), generator=g))
+        first = int(torch.randint(0, 50, (1,), generator=g))
+        table = cos_sin(torch.arange(first + t + 3), d, 10000.0)
+        rope = RoPESource(part, None, first_position=first, table=table)
+        query = torch.randn(b, h, m, d, generator=g)
+        rows = [0 if fixed else 1] * 2
+        got = module.rope_code_scores(
+            query, part.codes, part.table, part.scale, part.zero, levels, d, *rows, *table, first
+        )
+        where = f"L={levels} fixed={fixed} b={b} h={h} t={t} d={d} m={m} first={first} seed={s}"
+        assert got is not None, f"{where}: declined"
+        close(got, rope.scores(query, 0, t), where)
+        # without scale or zero
+        bare = CodebookSource(part.codes, levels, d, part.table)
+        args = (bare.codes, bare.table, None, None, levels, d, 0, 0, *table, first)
+        got = module.rope_code_scores(query, *args)
+        want = RoPESource(bare, None, first_position=first, table=table).scores(query, 0, t)
+        close(got, want, f"bare {where}")
+
+
+def test_rope_code_scores_decline_other_layouts(module):
+    for levels, d in [(3, 64), (32, 64), (8, 40), (5, 64)]:
+        g, part, (b, h, t, d) = store(9, levels, True, 0, b=1, h=2, t=40, d=d)
+        table = cos_sin(torch.arange(t), d, 10000.0)
+        query = torch.randn(b, h, 2, d, generator=g)
+        args = (part.codes, part.table, part.scale, part.zero, levels, d, 0, 0, *table, 0)
+        got = module.rope_code_scores(query, *args)
+        assert got is None, f"L={levels} d={d} seed=9"

@@ -361,9 +361,213 @@ void outlier_mix(at::Tensor& out, const at::Tensor& weights, const at::Tensor& c
   }
 }
 
+#ifdef KVB_AVX2
+// Pre-RoPE codebook keys (KVQuant's): x_t = RoPE_{offset + t}(table[c_t] s + z), scores q . x_t, for
+// power-of-two level counts up to 16. Their codes are one bit stream (channel d at bit d b), so the
+// 8 codes of channels 8j..8j+7 are the b bytes at 8j b / 8: one 32-bit load, a variable shift per
+// lane, a mask, and the table looked up in registers (one permute for L <= 8, two and a blend for
+// L = 16); then the affine map as one FMA and RoPE on whole vectors of the two halves. The generic
+// row decoder (attention.cpp's CodeRows) does the same in scalar loops.
+struct RopeRows {
+  const uint8_t* codes = nullptr;
+  int64_t code_st = 0, nbytes = 0, D = 0, bits = 0;
+  __m256 lo_tab, hi_tab;
+  __m256i shifts, mask;
+  // scale/zero: a fixed row per (batch, head) (D floats), or one number per token
+  struct P {
+    bool present = false, per_token = false;
+    const char* data = nullptr;
+    at::ScalarType type = at::kFloat;
+    int64_t item = 4, st = 0, base = 0;
+    std::vector<float> row;
+  } s, z;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  int64_t offset = 0;
+  alignas(32) float mapped[256];
+
+  void load_row(int64_t t, float* out) {
+    const uint8_t* row = codes + t * code_st;
+    for (int64_t j = 0; j < D / 8; ++j) {
+      const int64_t at = j * bits;
+      uint32_t w = 0;
+      std::memcpy(&w, row + at, at + 4 <= nbytes ? 4 : nbytes - at);
+      __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts), mask);
+      __m256 v = _mm256_permutevar8x32_ps(lo_tab, c);
+      if (bits == 4) {
+        const __m256 hi = _mm256_permutevar8x32_ps(hi_tab, c);
+        const __m256 pick = _mm256_castsi256_ps(_mm256_slli_epi32(c, 28));  // bit 3 to the sign
+        v = _mm256_blendv_ps(v, hi, pick);
+      }
+      _mm256_store_ps(mapped + 8 * j, v);
+    }
+    const float sv = s.per_token ? scalar(s, t) : 1.f, zv = z.per_token ? scalar(z, t) : 0.f;
+    for (int64_t j = 0; j < D; j += 8) {
+      __m256 v = _mm256_load_ps(mapped + j);
+      if (s.present) v = _mm256_mul_ps(v, s.per_token ? _mm256_set1_ps(sv) : _mm256_loadu_ps(s.row.data() + j));
+      if (z.present) v = _mm256_add_ps(v, z.per_token ? _mm256_set1_ps(zv) : _mm256_loadu_ps(z.row.data() + j));
+      _mm256_store_ps(mapped + j, v);
+    }
+    const int64_t half = D / 2;
+    const float* c = cos + (offset + t) * D;
+    const float* sn = sin + (offset + t) * D;
+    for (int64_t j = 0; j < half; j += 8) {
+      const __m256 a = _mm256_load_ps(mapped + j), b = _mm256_load_ps(mapped + half + j);
+      _mm256_storeu_ps(out + j, _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + j)),
+                                              _mm256_mul_ps(b, _mm256_loadu_ps(sn + j))));
+      _mm256_storeu_ps(out + half + j, _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + half + j)),
+                                                     _mm256_mul_ps(a, _mm256_loadu_ps(sn + half + j))));
+    }
+  }
+  static float scalar(const P& p, int64_t t) {
+    const char* q = p.data + (p.base + t * p.st) * p.item;
+    uint16_t h;
+    switch (p.type) {
+      case at::kFloat: {
+        float f;
+        std::memcpy(&f, q, 4);
+        return f;
+      }
+      case at::kHalf: std::memcpy(&h, q, 2); return half_to_float(h);
+      default: std::memcpy(&h, q, 2); return bf16_to_float(h);
+    }
+  }
+};
+
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// Whether a parameter is absent, one row for every token (fixed ranges) or one number per token;
+// anything else takes the generic kernel.
+bool rope_param(const c10::optional<at::Tensor>& x, int64_t rows, int64_t T, int64_t D, RopeRows::P& p) {
+  if (!x) return true;
+  const at::ScalarType t = x->scalar_type();
+  if (x->dim() != 4 || !(t == at::kFloat || t == at::kHalf || t == at::kBFloat16)) return false;
+  p.present = true;
+  p.data = static_cast<const char*>(x->data_ptr());
+  p.type = t;
+  p.item = x->element_size();
+  if (rows == 0 || x->size(2) == 1) return x->size(3) == 1 || x->size(3) == D;
+  p.per_token = true;
+  p.st = x->stride(2);
+  return x->size(3) == 1 && x->size(2) == T;
+}
+
+void bind_param(const c10::optional<at::Tensor>& x, int64_t b, int64_t h, int64_t D, RopeRows::P& p) {
+  if (!p.present) return;
+  const int64_t sb = x->size(0) == 1 ? 0 : x->stride(0), sh = x->size(1) == 1 ? 0 : x->stride(1);
+  p.base = b * sb + h * sh;
+  if (p.per_token) return;
+  const int64_t sd = x->size(3) == 1 ? 0 : x->stride(3);
+  p.row.resize(D);
+  RopeRows::P one = p;
+  one.st = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    one.base = p.base + d * sd;
+    p.row[d] = RopeRows::scalar(one, 0);
+  }
+}
+#endif
+
+// scores [B, H, M, T], or None where the layout is not one this kernel takes (the caller then runs
+// the generic code_scores).
+c10::optional<at::Tensor> rope_code_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& table,
+                                           const c10::optional<at::Tensor>& scale,
+                                           const c10::optional<at::Tensor>& zero, int64_t levels, int64_t head_dim,
+                                           int64_t scale_rows, int64_t zero_rows, const at::Tensor& cos,
+                                           const at::Tensor& sin, int64_t rope_offset) {
+#ifdef KVB_AVX2
+  const int64_t D = head_dim;
+  if (!(levels == 2 || levels == 4 || levels == 8 || levels == 16) || D % 16 != 0 || D > 256) return c10::nullopt;
+  if (codes.scalar_type() != at::kByte || codes.dim() != 4 || codes.stride(3) != 1 || !codes.device().is_cpu())
+    return c10::nullopt;
+  const int64_t B = codes.size(0), H = codes.size(1), T = codes.size(2), bits = __builtin_ctzll(levels);
+  if (codes.size(3) != D * bits / 8 || query.dim() != 4 || query.size(0) != B || query.size(1) != H ||
+      query.size(3) != D || !query.device().is_cpu())
+    return c10::nullopt;
+  RopeRows proto;
+  if (!rope_param(scale, scale_rows, T, D, proto.s) || !rope_param(zero, zero_rows, T, D, proto.z)) return c10::nullopt;
+  auto cf = cos.to(at::kFloat).contiguous(), sf = sin.to(at::kFloat).contiguous();
+  TORCH_CHECK(cf.size(-1) == D && sf.size(-1) == D, "the RoPE table must be [positions, head_dim]");
+  TORCH_CHECK(rope_offset >= 0 && cf.numel() / D >= rope_offset + T, "the RoPE table is too short");
+  auto tab = table.to(at::kFloat).contiguous();
+  TORCH_CHECK(tab.numel() == levels, "table must hold one value per level");
+  alignas(32) float lanes[16] = {0};
+  std::memcpy(lanes, tab.data_ptr<float>(), levels * sizeof(float));
+  proto.lo_tab = _mm256_load_ps(lanes);
+  proto.hi_tab = _mm256_load_ps(lanes + 8);
+  proto.shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(bits)));
+  proto.mask = _mm256_set1_epi32(static_cast<int>(levels - 1));
+  proto.bits = bits;
+  proto.D = D;
+  proto.nbytes = codes.size(3);
+  proto.code_st = codes.stride(2);
+  proto.cos = cf.data_ptr<float>();
+  proto.sin = sf.data_ptr<float>();
+  proto.offset = rope_offset;
+  auto q = query.to(at::kFloat).contiguous();
+  const int64_t M = q.size(2);
+  auto out = at::empty({B, H, M, T}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  constexpr int64_t chunk = 256;
+  const int64_t chunks = (T + chunk - 1) / chunk;
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
+    RopeRows rows = proto;
+    alignas(32) float x[4][256];
+    int64_t bound = -1;
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
+      if (bh != bound) {
+        bound = bh;
+        rows.codes = cp + b * codes.stride(0) + h * codes.stride(1);
+        bind_param(scale, b, h, D, rows.s);
+        bind_param(zero, b, h, D, rows.z);
+      }
+      const float* qb = qp + bh * M * D;
+      float* ob = op + bh * M * T;
+      const int64_t t1 = std::min(T, (c + 1) * chunk);
+      int64_t t = c * chunk;
+      for (; t + 4 <= t1; t += 4) {
+        for (int j = 0; j < 4; ++j) rows.load_row(t + j, x[j]);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* qm = qb + m * D;
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(qm + d);
+            a0 = _mm256_fmadd_ps(qv, _mm256_load_ps(x[0] + d), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_load_ps(x[1] + d), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_load_ps(x[2] + d), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_load_ps(x[3] + d), a3);
+          }
+          _mm_storeu_ps(ob + m * T + t, hsum4(a0, a1, a2, a3));
+        }
+      }
+      for (; t < t1; ++t) {
+        rows.load_row(t, x[0]);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* qm = qb + m * D;
+          float acc = 0.f;
+          for (int64_t d = 0; d < D; ++d) acc += qm[d] * x[0][d];
+          ob[m * T + t] = acc;
+        }
+      }
+    }
+  });
+  return out;
+#else
+  return c10::nullopt;
+#endif
+}
+
 }  // namespace
 
 void register_sparse_kernels(pybind11::module& m) {
   m.def("outlier_scores", &outlier_scores, "adds q . (exact - reconstructed) at sparse outliers, in place");
   m.def("outlier_mix", &outlier_mix, "adds p (exact - reconstructed) at sparse outliers, in place");
+  m.def("rope_code_scores", &rope_code_scores,
+        "query . pre-RoPE codebook keys (power-of-two levels <= 16), or None for other layouts");
 }
