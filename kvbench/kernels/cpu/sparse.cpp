@@ -68,6 +68,33 @@ struct Column {
       default: return reinterpret_cast<const uint8_t*>(data)[j];
     }
   }
+  // entries [i0, i0 + n) as int64 / float32, one typed loop each
+  void indices(int64_t i0, int64_t n, int64_t* out) const {
+    switch (type) {
+      case at::kInt: copy(reinterpret_cast<const int32_t*>(data), i0, n, out); break;
+      case at::kShort: copy(reinterpret_cast<const int16_t*>(data), i0, n, out); break;
+      case at::kLong: copy(reinterpret_cast<const int64_t*>(data), i0, n, out); break;
+      default: for (int64_t j = 0; j < n; ++j) out[j] = index(i0 + j);
+    }
+  }
+  void values(int64_t i0, int64_t n, float* out) const {
+    if (type == at::kFloat) {
+      copy(reinterpret_cast<const float*>(data), i0, n, out);
+    } else if (type == at::kHalf) {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(data);
+      for (int64_t j = 0; j < n; ++j) out[j] = half_to_float(src[(i0 + j) * stride]);
+    } else {
+      for (int64_t j = 0; j < n; ++j) out[j] = value(i0 + j);
+    }
+  }
+  template <class S, class O>
+  void copy(const S* src, int64_t i0, int64_t n, O* out) const {
+    if (stride == 1) {
+      for (int64_t j = 0; j < n; ++j) out[j] = static_cast<O>(src[i0 + j]);
+    } else {
+      for (int64_t j = 0; j < n; ++j) out[j] = static_cast<O>(src[(i0 + j) * stride]);
+    }
+  }
   float value(int64_t i) const {
     const int64_t j = i * stride;
     switch (type) {
@@ -102,15 +129,31 @@ struct ParamAt {
     data = static_cast<const char*>(x->data_ptr());
     type = t;
     item = x->element_size();
+    D_ = D;
     const int64_t sb = x->size(0) == 1 ? 0 : x->stride(0), sh = x->size(1) == 1 ? 0 : x->stride(1);
     st = rows_per_token == 0 || x->size(2) == 1 ? 0 : x->stride(2);
     sd = x->size(3) == 1 ? 0 : x->stride(3);
     channels_per_value = D / x->size(3);
     base.resize(B * H);
     for (int64_t bh = 0; bh < B * H; ++bh) base[bh] = (bh / H) * sb + (bh % H) * sh;
+    if (st == 0) {
+      fixed.resize(B * H * D);
+      for (int64_t bh = 0; bh < B * H; ++bh)
+        for (int64_t d = 0; d < D; ++d) fixed[bh * D + d] = read(bh, 0, d);
+    }
+    token_scalar = st != 0 && x->size(3) == 1;
   }
   bool valid() const { return data != nullptr; }
   float at(int64_t bh, int64_t t, int64_t d) const {
+    if (!fixed.empty()) return fixed[bh * D_ + d];
+    return read(bh, t, token_scalar ? 0 : d);
+  }
+  // fixed ranges: every (batch, head)'s row, float32 [B H, D]; token_scalar: one number per token
+  std::vector<float> fixed;
+  bool token_scalar = false;
+  int64_t D_ = 0;
+
+  float read(int64_t bh, int64_t t, int64_t d) const {
     const int64_t c = channels_per_value == 1 ? d : d / channels_per_value;
     const char* p = data + (base[bh] + t * st + c * sd) * item;
     uint16_t h;
@@ -132,8 +175,8 @@ struct Deltas {
   int64_t code_st, nbytes, D, chunk_codes, chunk_bytes;
   uint64_t levels;
   std::vector<int64_t> code_base;  // per flat (batch, head): byte offset of token 0
-  // power-of-two levels (every chunk a whole number of bytes of contiguous b-bit codes): the code
-  // of channel d starts at bit chunk * 8 m + digit * b
+  // power-of-two levels: the chunks are whole bytes of b-bit codes with no padding
+  // (kvbench.quant.packing), so the row is one bit stream and channel d starts at bit d b
   int bits = 0;
   uint32_t mask = 0;
   // other one-byte layouts: digit_lut[byte * c + digit]
@@ -166,7 +209,7 @@ struct Deltas {
     if ((levels & (levels - 1)) == 0 && levels <= 256) {
       bits = __builtin_ctzll(levels);
       mask = static_cast<uint32_t>(levels - 1);
-      TORCH_CHECK(chunk_codes * bits <= 8 * chunk_bytes, "chunk too small for its codes");
+      TORCH_CHECK(chunk_codes * bits == 8 * chunk_bytes, "power-of-two codes must fill their chunks");
     } else if (chunk_bytes == 1) {
       digit_lut.resize(256 * chunk_codes);
       for (int64_t byte = 0; byte < 256; ++byte) {
@@ -185,8 +228,7 @@ struct Deltas {
 
   int64_t code(const uint8_t* row, int64_t d) const {
     if (bits) {
-      const int64_t chunk = d / chunk_codes, digit = d - chunk * chunk_codes;
-      const int64_t bit = chunk * 8 * chunk_bytes + digit * bits;
+      const int64_t bit = d * bits;
       const int64_t byte = bit >> 3;
       uint32_t w = row[byte];
       if (byte + 1 < nbytes) w |= static_cast<uint32_t>(row[byte + 1]) << 8;
@@ -232,7 +274,12 @@ std::vector<int64_t> token_ranges(const Entries& e) {
   std::vector<int64_t> starts{0};
   if (e.n > kEntries) {
     bool ordered = true;
-    for (int64_t i = 1; i < e.n && ordered; ++i) ordered = e.rows.index(i - 1) <= e.rows.index(i);
+    int64_t block[257];
+    for (int64_t b0 = 0; b0 + 1 < e.n && ordered; b0 += 256) {
+      const int64_t n = std::min<int64_t>(257, e.n - b0);
+      e.rows.indices(b0, n, block);
+      for (int64_t j = 1; j < n; ++j) ordered &= block[j - 1] <= block[j];
+    }
     if (ordered) {
       for (int64_t s = kEntries; s < e.n; s += kEntries) {
         int64_t i = std::max(s, starts.back() + 1);
@@ -262,6 +309,27 @@ struct Split {
   }
 };
 
+// f(t, bh, d, value) for the entries [i0, i1) in order, read a block at a time in their dtypes
+template <class F>
+void each_entry(const Entries& e, const Split& split, int64_t i0, int64_t i1, int64_t T, int64_t BH, F&& f) {
+  constexpr int64_t kBlock = 256;
+  int64_t rows[kBlock], cols[kBlock];
+  float vals[kBlock];
+  for (int64_t b0 = i0; b0 < i1; b0 += kBlock) {
+    const int64_t n = std::min(kBlock, i1 - b0);
+    e.rows.indices(b0, n, rows);
+    e.cols.indices(b0, n, cols);
+    e.vals.values(b0, n, vals);
+    for (int64_t j = 0; j < n; ++j) {
+      int64_t bh, d;
+      split(cols[j], bh, d);
+      const int64_t t = rows[j];
+      TORCH_CHECK(t >= 0 && t < T && bh >= 0 && bh < BH, "outlier entry ", b0 + j, " out of range");
+      f(t, bh, d, vals[j]);
+    }
+  }
+}
+
 void outlier_scores(at::Tensor& out, const at::Tensor& query, const at::Tensor& codes, const at::Tensor& table,
                     const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero, int64_t levels,
                     int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes, int64_t scale_rows, int64_t zero_rows,
@@ -287,32 +355,27 @@ void outlier_scores(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   }
   const float* cp = cos ? cf.data_ptr<float>() : nullptr;
   const float* sp = cos ? sf.data_ptr<float>() : nullptr;
-  const int64_t positions = cos ? cf.numel() / D : 0;
+  TORCH_CHECK(!cos || (rope_offset >= 0 && cf.numel() / D >= rope_offset + T), "the RoPE table is too short");
   const int64_t half = D / 2;
   const Split split(D);
   const std::vector<int64_t> starts = token_ranges(e);
   at::parallel_for(0, static_cast<int64_t>(starts.size()) - 1, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = starts[lo]; i < starts[hi]; ++i) {
-      const int64_t t = e.rows.index(i);
-      int64_t bh, d;
-      split(e.cols.index(i), bh, d);
-      TORCH_CHECK(t >= 0 && t < T && bh >= 0 && bh < BH, "outlier entry ", i, " out of range");
-      const float dv = delta(t, bh, d, e.vals.value(i));
+    each_entry(e, split, starts[lo], starts[hi], T, BH, [&](int64_t t, int64_t bh, int64_t d, float exact) {
+      const float dv = delta(t, bh, d, exact);
       const float* qb = qp + bh * M * D;
       float* ob = op + bh * M * T + t;
       if (cp == nullptr) {
         for (int64_t m = 0; m < M; ++m) ob[m * T] += qb[m * D + d] * dv;
-        continue;
+        return;
       }
       // RoPE of delta e_d: delta cos at d, and +-delta sin at the partner channel d -+ D/2
       const int64_t pos = rope_offset + t;
-      TORCH_CHECK(pos >= 0 && pos < positions, "the RoPE table is too short");
       const int64_t partner = d < half ? d + half : d - half;
       const float sign = d < half ? 1.f : -1.f;
       const float a0 = dv * cp[pos * D + d];
       const float a1 = sign * dv * sp[pos * D + partner];
       for (int64_t m = 0; m < M; ++m) ob[m * T] += qb[m * D + d] * a0 + qb[m * D + partner] * a1;
-    }
+    });
   });
 }
 
@@ -340,16 +403,12 @@ void outlier_mix(at::Tensor& out, const at::Tensor& weights, const at::Tensor& c
     for (int64_t k = lo; k < hi; ++k) {
       float* acc = tasks > 1 ? partial.data() + k * size : op;
       const int64_t stop = std::min(e.n, (k + 1) * kEntries);
-      for (int64_t i = k * kEntries; i < stop; ++i) {
-        const int64_t t = e.rows.index(i);
-        int64_t bh, d;
-        split(e.cols.index(i), bh, d);
-        TORCH_CHECK(t >= 0 && t < T && bh >= 0 && bh < BH, "outlier entry ", i, " out of range");
-        const float dv = delta(t, bh, d, e.vals.value(i));
+      each_entry(e, split, k * kEntries, stop, T, BH, [&](int64_t t, int64_t bh, int64_t d, float exact) {
+        const float dv = delta(t, bh, d, exact);
         const float* pb = pp + bh * M * T + t;
         float* ab = acc + bh * M * D + d;
         for (int64_t m = 0; m < M; ++m) ab[m * D] += pb[m * T] * dv;
-      }
+      });
     }
   });
   if (tasks > 1) {
@@ -384,14 +443,18 @@ struct RopeRows {
   const float* cos = nullptr;
   const float* sin = nullptr;
   int64_t offset = 0;
-  alignas(32) float mapped[256];
 
-  void load_row(int64_t t, float* out) {
+  // token t's row into out [D]; mapped: D floats of 32-byte aligned scratch
+  void load_row(int64_t t, float* mapped, float* out) const {
     const uint8_t* row = codes + t * code_st;
     for (int64_t j = 0; j < D / 8; ++j) {
       const int64_t at = j * bits;
       uint32_t w = 0;
-      std::memcpy(&w, row + at, at + 4 <= nbytes ? 4 : nbytes - at);
+      if (at + 4 <= nbytes) {
+        std::memcpy(&w, row + at, 4);
+      } else {
+        for (int64_t k = at; k < nbytes; ++k) w |= static_cast<uint32_t>(row[k]) << (8 * (k - at));
+      }
       __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts), mask);
       __m256 v = _mm256_permutevar8x32_ps(lo_tab, c);
       if (bits == 4) {
@@ -513,46 +576,51 @@ c10::optional<at::Tensor> rope_code_scores(const at::Tensor& query, const at::Te
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  constexpr int64_t chunk = 256;
-  const int64_t chunks = (T + chunk - 1) / chunk;
-  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    RopeRows rows = proto;
+  // Tasks over token ranges, every (batch, head) inside: a token's cos/sin rows are read from
+  // memory once and reused from L1 for every head (they outweigh the codes: 2 D floats a token).
+  std::vector<RopeRows> bound(B * H, proto);
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H, h = bh % H;
+    bound[bh].codes = cp + b * codes.stride(0) + h * codes.stride(1);
+    bind_param(scale, b, h, D, bound[bh].s);
+    bind_param(zero, b, h, D, bound[bh].z);
+  }
+  constexpr int64_t chunk = 64;
+  const int64_t BH = B * H;
+  at::parallel_for(0, (T + chunk - 1) / chunk, 1, [&](int64_t lo, int64_t hi) {
     alignas(32) float x[4][256];
-    int64_t bound = -1;
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
-      if (bh != bound) {
-        bound = bh;
-        rows.codes = cp + b * codes.stride(0) + h * codes.stride(1);
-        bind_param(scale, b, h, D, rows.s);
-        bind_param(zero, b, h, D, rows.z);
-      }
-      const float* qb = qp + bh * M * D;
-      float* ob = op + bh * M * T;
-      const int64_t t1 = std::min(T, (c + 1) * chunk);
-      int64_t t = c * chunk;
-      for (; t + 4 <= t1; t += 4) {
-        for (int j = 0; j < 4; ++j) rows.load_row(t + j, x[j]);
-        for (int64_t m = 0; m < M; ++m) {
-          const float* qm = qb + m * D;
-          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-          for (int64_t d = 0; d < D; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(qm + d);
-            a0 = _mm256_fmadd_ps(qv, _mm256_load_ps(x[0] + d), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_load_ps(x[1] + d), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_load_ps(x[2] + d), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_load_ps(x[3] + d), a3);
+    alignas(32) float mapped[256];
+    for (int64_t t0 = lo * chunk; t0 < std::min(T, hi * chunk); t0 += chunk) {
+      const int64_t t1 = std::min(T, t0 + chunk);
+      for (int64_t t = t0; t < t1; t += 4) {
+        const int64_t n = std::min<int64_t>(4, t1 - t);
+        for (int64_t bh = 0; bh < BH; ++bh) {
+          const RopeRows& rows = bound[bh];
+          const float* qb = qp + bh * M * D;
+          float* ob = op + bh * M * T;
+          for (int64_t j = 0; j < n; ++j) rows.load_row(t + j, mapped, x[j]);
+          if (n == 4) {
+            for (int64_t m = 0; m < M; ++m) {
+              const float* qm = qb + m * D;
+              __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+              for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qm + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_load_ps(x[0] + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_load_ps(x[1] + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_load_ps(x[2] + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_load_ps(x[3] + d), a3);
+              }
+              _mm_storeu_ps(ob + m * T + t, hsum4(a0, a1, a2, a3));
+            }
+            continue;
           }
-          _mm_storeu_ps(ob + m * T + t, hsum4(a0, a1, a2, a3));
-        }
-      }
-      for (; t < t1; ++t) {
-        rows.load_row(t, x[0]);
-        for (int64_t m = 0; m < M; ++m) {
-          const float* qm = qb + m * D;
-          float acc = 0.f;
-          for (int64_t d = 0; d < D; ++d) acc += qm[d] * x[0][d];
-          ob[m * T + t] = acc;
+          for (int64_t j = 0; j < n; ++j)
+            for (int64_t m = 0; m < M; ++m) {
+              const float* qm = qb + m * D;
+              float acc = 0.f;
+              for (int64_t d = 0; d < D; ++d) acc += qm[d] * x[j][d];
+              ob[m * T + t + j] = acc;
+            }
         }
       }
     }
