@@ -1501,116 +1501,6 @@ at::Tensor codebook_token_mix(const at::Tensor& weights, const at::Tensor& codes
   return token_param_mix(p, proto, shift_order(bits, D), scale, zero, B, H, M, D, T);
 }
 
-// KVQuant's dense-and-sparse split: each outlier entry (token rows[i], flat column cols[i] =
-// (b H + h) D + d, exact value vals[i]) is read by the dense kernels as what its code reconstructs,
-// table[c] s + z. These add the difference delta = exact - reconstructed back, one pass over the
-// entries: scores[b, h, m, t] += q[b, h, m, :] . RoPE_t(delta e_d), mix[b, h, m, d] += p[b, h, m, t] delta.
-struct OutlierArgs {
-  at::Tensor codes, table, rows, cols, vals;
-  c10::optional<at::Tensor> scale, zero;
-  int64_t levels, head_dim, chunk_codes, chunk_bytes, scale_rows, zero_rows;
-};
-
-// delta of every entry, float32 [n]
-std::vector<float> outlier_deltas(const OutlierArgs& a) {
-  const int64_t n = a.rows.numel(), D = a.head_dim, H = a.codes.size(1);
-  TORCH_CHECK(a.codes.scalar_type() == at::kByte && a.codes.dim() == 4 && a.codes.stride(3) == 1,
-              "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
-  auto rows = a.rows.to(at::kLong).contiguous();
-  auto cols = a.cols.to(at::kLong).contiguous();
-  auto vals = a.vals.to(at::kFloat).contiguous();
-  auto tab = a.table.to(at::kFloat).contiguous();
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* cp = cols.data_ptr<int64_t>();
-  const float* vp = vals.data_ptr<float>();
-  const float* tp = tab.data_ptr<float>();
-  const View4 codes(a.codes);
-  const View4 sv = a.scale ? View4(*a.scale) : View4();
-  const View4 zv = a.zero ? View4(*a.zero) : View4();
-  std::vector<float> delta(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = rp[i], bh = cp[i] / D, d = cp[i] % D, b = bh / H, h = bh % H;
-    const uint8_t* row = static_cast<const uint8_t*>(codes.at(b, h, t, 0));
-    const int64_t chunk = d / a.chunk_codes, digit = d % a.chunk_codes;
-    uint64_t word = 0;
-    for (int64_t k = 0; k < a.chunk_bytes; ++k) word |= static_cast<uint64_t>(row[chunk * a.chunk_bytes + k]) << (8 * k);
-    for (int64_t k = 0; k < digit; ++k) word /= static_cast<uint64_t>(a.levels);
-    float recon = tp[word % static_cast<uint64_t>(a.levels)];
-    for (int which = 0; which < 2; ++which) {
-      const View4& v = which == 0 ? sv : zv;
-      if (!v.valid()) continue;
-      const int64_t r = (which == 0 ? a.scale_rows : a.zero_rows) == 0 ? 0 : t;
-      const int64_t col = d / (D / v.cols);
-      float x;
-      load_floats(v.at(b, h, r, col), v.type, 1, 1, &x);
-      recon = which == 0 ? recon * x : recon + x;
-    }
-    delta[i] = vp[i] - recon;
-  }
-  return delta;
-}
-
-void outlier_scores(at::Tensor& out, const at::Tensor& query, const at::Tensor& codes, const at::Tensor& table,
-                    const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero, int64_t levels,
-                    int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes, int64_t scale_rows, int64_t zero_rows,
-                    const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& vals,
-                    const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin, int64_t rope_offset) {
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "out must be contiguous float32");
-  const int64_t M = out.size(2), T = out.size(3), D = head_dim;
-  OutlierArgs a{codes, table, rows, cols, vals, scale, zero, levels, D, chunk_codes, chunk_bytes, scale_rows, zero_rows};
-  const std::vector<float> delta = outlier_deltas(a);
-  auto q = query.to(at::kFloat).contiguous();
-  auto r64 = rows.to(at::kLong).contiguous();
-  auto c64 = cols.to(at::kLong).contiguous();
-  const int64_t* rp = r64.data_ptr<int64_t>();
-  const int64_t* cp = c64.data_ptr<int64_t>();
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::Tensor cf, sf;
-  if (cos) {
-    cf = cos->to(at::kFloat).contiguous();
-    sf = sin->to(at::kFloat).contiguous();
-  }
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < static_cast<int64_t>(delta.size()); ++i) {
-    const int64_t t = rp[i], bh = cp[i] / D, d = cp[i] % D;
-    const float* qb = qp + bh * M * D;
-    float* ob = op + bh * M * T + t;
-    if (!cos) {
-      for (int64_t m = 0; m < M; ++m) ob[m * T] += qb[m * D + d] * delta[i];
-      continue;
-    }
-    // RoPE of delta e_d: delta cos at d, and +-delta sin at the partner channel d -+ D/2
-    const int64_t pos = rope_offset + t;
-    const int64_t partner = d < half ? d + half : d - half;
-    const float sign = d < half ? 1.f : -1.f;
-    const float a0 = delta[i] * cf.data_ptr<float>()[pos * D + d];
-    const float a1 = sign * delta[i] * sf.data_ptr<float>()[pos * D + partner];
-    for (int64_t m = 0; m < M; ++m) ob[m * T] += qb[m * D + d] * a0 + qb[m * D + partner] * a1;
-  }
-}
-
-void outlier_mix(at::Tensor& out, const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& table,
-                 const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero, int64_t levels,
-                 int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes, int64_t scale_rows, int64_t zero_rows,
-                 const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& vals) {
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "out must be contiguous float32");
-  const int64_t M = out.size(2), D = head_dim, T = weights.size(3);
-  OutlierArgs a{codes, table, rows, cols, vals, scale, zero, levels, D, chunk_codes, chunk_bytes, scale_rows, zero_rows};
-  const std::vector<float> delta = outlier_deltas(a);
-  auto p = weights.to(at::kFloat).contiguous();
-  auto r64 = rows.to(at::kLong).contiguous();
-  auto c64 = cols.to(at::kLong).contiguous();
-  const int64_t* rp = r64.data_ptr<int64_t>();
-  const int64_t* cp = c64.data_ptr<int64_t>();
-  const float* pp = p.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < static_cast<int64_t>(delta.size()); ++i) {
-    const int64_t t = rp[i], bh = cp[i] / D, d = cp[i] % D;
-    for (int64_t m = 0; m < M; ++m) op[(bh * M + m) * D + d] += pp[(bh * M + m) * T + t] * delta[i];
-  }
-}
-
 // v, hidden from the optimiser, so that no multiply-add is fused across it.
 inline float opaque(float v) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -1837,6 +1727,7 @@ std::vector<at::Tensor> dense_sparse_quantize_pack(const at::Tensor& x, const at
 }
 
 void register_plane_kernels(pybind11::module& m);  // planes.cpp
+void register_sparse_kernels(pybind11::module& m);  // sparse.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp_scores", &fp_scores, "query [B,H,M,D] . full-precision keys [B,H,T,D] -> [B,H,M,T]");
@@ -1847,10 +1738,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("affine_token_mix", &affine_token_mix, "weights x per-token affine codes (folded)");
   m.def("codebook_token_scores", &codebook_token_scores, "query . codebook codes with per-token scale/zero");
   m.def("codebook_token_mix", &codebook_token_mix, "weights x codebook codes with per-token scale/zero");
-  m.def("outlier_scores", &outlier_scores, "adds q . (exact - reconstructed) at sparse outliers, in place");
-  m.def("outlier_mix", &outlier_mix, "adds p (exact - reconstructed) at sparse outliers, in place");
   m.def("token_quantize_pack", &token_quantize_pack, "per-token affine codes of new tokens, packed");
   m.def("dense_sparse_quantize_pack", &dense_sparse_quantize_pack,
         "KVQuant's append: codebook codes of new tokens, packed, and their sparse outliers");
   register_plane_kernels(m);
+  register_sparse_kernels(m);
 }

@@ -14,7 +14,9 @@ backend. Covered (everything on the CPU, float32 queries):
   reads the dense codes, then one scatter-add per call puts back ``q . (exact - reconstructed)``
   at the outlier entries);
 - pre-RoPE keys over codebook codes (:class:`RoPESource`, KVQuant): the kernel rotates every
-  decoded row to its position from the layer's cos/sin table, outliers corrected the same way.
+  decoded row to its position from the layer's cos/sin table (``rope_code_scores`` in
+  ``sparse.cpp``, a vector decoder, for power-of-two levels up to 16; ``code_scores`` otherwise),
+  outliers corrected the same way.
 
 Anything else returns None and runs its torch reference; which backends ran is recorded
 (:func:`~kvbench.kernels.cpu.note_backend`).
@@ -115,9 +117,22 @@ class CompiledReader:
         if rope is not None:
             cos, sin = rope.table
             offset = rope.first_position
+            out = self._rope_codebook_scores(part, query, rope)
+            if out is not None:
+                return out
         return self.k.code_scores(
             query, part.codes, part.table, part.scale, part.zero, part.levels, part.head_dim, c, m,
             _param_rows(part.scale, t), _param_rows(part.zero, t), cos, sin, offset,
+        )  # fmt: skip
+
+    def _rope_codebook_scores(self, part: CodebookSource, query, rope: RoPESource):
+        """Pre-RoPE codebook keys through the vector decoder (outliers not included); None where it
+        does not take the layout (levels other than 2, 4, 8, 16, head_dim not a multiple of 16)."""
+        t = part.num_tokens
+        cos, sin = rope.table
+        return self.k.rope_code_scores(
+            query, part.codes, part.table, part.scale, part.zero, part.levels, part.head_dim,
+            _param_rows(part.scale, t), _param_rows(part.zero, t), cos, sin, rope.first_position,
         )  # fmt: skip
 
     # -- mix ------------------------------------------------------------------------------------
