@@ -294,7 +294,7 @@ def _execute_in(folder: RunFolder, plan: RunPlan, progress: bool) -> dict[str, A
             todo, desc=f"{task.registered_name} {method.label()}", disable=not progress, file=sys.stderr
         )
         try:
-            _run_samples(bar, done, folder, task, runner, method, model_cfg, run_cfg)
+            _run_samples(bar, done, folder, runner, spec)
         except KeyboardInterrupt as err:
             # what is on disk: the signal may land between a row's append and its entry in `done`
             stored = {row.get("id") for row in folder.rows()} | set(done)
@@ -366,17 +366,18 @@ def trusted_metrics(folder: RunFolder, path: Path, task: Any, rows: list[dict[st
     return stored
 
 
-def _run_samples(bar, done, folder, task, runner, method, model_cfg, run_cfg) -> None:
+def _run_samples(bar, done, folder, runner, spec: RunSpec) -> None:
     """Run and append each sample of ``todo`` (``done`` gains each finished row)."""
+    task, method = spec.task, spec.method
     for sample in bar:
         t_sample = time.perf_counter()
         row = task.run(sample, runner)
         memory = row.pop("memory", None)
         row = {
             "sample_id": sample["id"],
-            "seed": run_cfg.seed,
+            "seed": spec.seed,
             "task": task.registered_name,
-            "model": model_cfg.name,
+            "model": spec.model.name,
             "method": method.label(),
             "bits": method.config.bits,
             **row,
