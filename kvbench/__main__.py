@@ -312,7 +312,7 @@ def _compose(loader, config_name: str, overrides: list[str], build) -> DictConfi
 
 def job_config(cfg: DictConfig) -> dict:
     """The resolved config a job receives, without the ``hydra`` node (what
-    :func:`kvbench.run.run_config` then completes into the config a run stores and hashes)."""
+    :func:`kvbench.spec.run_config` then completes into the config a run stores and hashes)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf.errors import OmegaConfBaseException
 
@@ -567,10 +567,13 @@ def _terminate_as_interrupt():
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     from kvbench.run import execute, format_table, summary_line
+    from kvbench.spec import RunSpec
 
     previous = _terminate_as_interrupt()
     try:
-        metrics = execute(cfg)
+        # the job's config, resolved and validated once: everything below reads these objects
+        spec = RunSpec.from_config(cfg)
+        metrics = execute(spec)
     except ConfigError as err:
         print(f"kvbench: error: {err}", file=sys.stderr)
         _discard_hydra_dir(cfg)
@@ -591,12 +594,11 @@ def main(cfg: DictConfig) -> dict:
     row = summary_line(metrics)
     print(format_table([row]))
     print(f"results: {metrics['folder']}")
-    if cfg.get("objective") is not None:
+    objective = spec.run.objective
+    if objective is not None:
         from kvbench.objective import objective_value
 
         # an optimizing sweeper (Optuna, Nevergrad, Ax) reads one float per trial, or one per objective
-        objective = cfg.objective
-        objective = OmegaConf.to_container(objective) if OmegaConf.is_config(objective) else objective
         value = objective_value(metrics, objective)
         print(f"objective: {objective} = {value}")
         return value

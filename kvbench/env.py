@@ -2,7 +2,7 @@
 
 A variable is a configuration source like any key: its reader raises a
 :class:`~kvbench.errors.ConfigError` naming the variable, the value and what is allowed, and
-:func:`kvbench.run.check_environment` calls every reader before a run starts, so a bad value is one
+:func:`kvbench.spec.check_environment` calls every reader before a run starts, so a bad value is one
 line up front rather than an error wherever the value is first used (for ``KVBENCH_BLOCK_SIZE``,
 deep inside the first attention call, after the model has loaded). An empty value counts as unset
 (the shell's ``VAR= cmd`` idiom). Imports nothing heavy: kernels and quantizers read through it.

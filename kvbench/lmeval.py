@@ -369,7 +369,7 @@ class KVBenchLM(TemplateLM):
         """Each node checked before the model loads (cheapest first), then built as a run builds."""
         from kvbench.builder import load_for_methods, model_config
         from kvbench.methods import build_method
-        from kvbench.run import bits_ignored
+        from kvbench.spec import bits_ignored
 
         self.method_node = args.method_node()
         method = build_method(self.method_node)

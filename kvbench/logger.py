@@ -21,12 +21,16 @@ import netrc
 import os
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from kvbench.config import build_config, check_choice
+
+if TYPE_CHECKING:
+    from kvbench.spec import RunSpec
 
 DEFAULT_SERVER = "https://api.wandb.ai"
 
@@ -266,18 +270,24 @@ def build_logger(node: dict[str, Any] | None) -> NullLogger | WandbLogger:
     return WandbLogger(cfg) if cfg.name == "wandb" else NullLogger()
 
 
-def log_run(config: dict[str, Any], metrics: dict[str, Any]) -> None:
-    """Log a finished run (its resolved config and ``metrics.json`` content) to the logger named
-    by ``config["logger"]``; called by ``kvbench.run.execute`` after the run folder is written, so
-    a logger failure can never lose a result."""
-    logger = build_logger(config.get("logger"))
-    if isinstance(logger, NullLogger):
+def log_run(run: RunSpec | Mapping[str, Any], metrics: dict[str, Any]) -> None:
+    """Log a finished run (its resolved config and ``metrics.json`` content) to the logger its
+    config names; called by ``kvbench.run.execute`` with the run's :class:`kvbench.spec.RunSpec`
+    after the run folder is written, so a logger failure can never lose a result. A plain config
+    (a script's, outside a run) has its ``logger`` node validated here."""
+    if isinstance(run, Mapping):
+        cfg = build_config(LoggerConfig, dict(run.get("logger") or {}), "logger")
+        config, group = dict(run), experiment_group(run, metrics.get("task"))
+    else:
+        cfg, config, group = run.logger, run.config, run.experiment_group
+    if cfg.name != "wandb":
         return
+    logger = WandbLogger(cfg)
     name = "/".join(str(metrics.get(k)) for k in ("task", "model", "method")) + f"/seed{metrics.get('seed')}"
     logger.start(
         {k: v for k, v in config.items() if k != "logger"},
         name=name,
-        group=experiment_group(config, metrics.get("task")),
+        group=group,
         run_id=metrics.get("run_id"),
     )
     logger.log_run(metrics)

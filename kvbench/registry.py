@@ -21,7 +21,7 @@ class Registry(Generic[T]):
         self._items: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
-        # a registered name is a folder of every run's path (kvbench.run.run_folder)
+        # a registered name is a folder of every run's path (kvbench.spec.run_folder)
         safe_component(f"{self.kind} name", name)
 
         def decorator(obj: T) -> T:

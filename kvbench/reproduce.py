@@ -342,13 +342,15 @@ def _run_folder(config: dict[str, Any]) -> tuple[Path, str, str]:
     from kvbench.methods import build_method
     from kvbench.models import ModelConfig
     from kvbench.results import run_id
-    from kvbench.run import run_config, run_folder
+    from kvbench.spec import run_config, run_folder
 
     config = run_config(config)
-    label = build_method(config.get("method")).label()
+    method = build_method(config.get("method"))
+    label = method.label()
     model = build_config(ModelConfig, config.get("model"), "model").name
     seed = config.get("seed", 0)
-    folder = run_folder(config["output"]["root"], config["task"]["name"], model, label, seed, run_id(config))
+    rid = run_id(config, method.config)
+    folder = run_folder(config["output"]["root"], config["task"]["name"], model, label, seed, rid)
     return folder, label, model
 
 

@@ -40,13 +40,14 @@ def _same(value: Any, default: Any) -> bool:
     return type(value) is type(default) and value == default
 
 
-def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
+def canonical_config(config: dict[str, Any], method_config: Any = None) -> dict[str, Any]:
     """What the run id hashes: the resolved config minus paths, loggers, the analysis plan and the
-    model's scheduler ``resources``.
+    model's scheduler ``resources``. ``method_config``: the method's validated config where the
+    caller holds it already (a run's :class:`kvbench.spec.RunSpec`), else it is built from the node.
 
     The top-level ``bits`` reaches a method only through its node: the run writes it into the
     node's bits knob (``bits``, or a knob such as ReadKV's ``read_bits``) before hashing
-    (:func:`kvbench.run.run_config`), so every effect of ``bits`` is already in the method node. A
+    (:func:`kvbench.spec.run_config`), so every effect of ``bits`` is already in the method node. A
     node without a ``bits`` key (the FP16 baseline and the eviction policies, which have no bits
     knob; no ``method`` at all is the FP16 baseline too) therefore drops the top-level value:
     ``fp16`` inside a bit-width sweep is one run, not one per bit width.
@@ -75,7 +76,7 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
     version = _method_version(method.get("name"))
     if version != 1:  # version 1 is every run made before versions existed: their ids stay
         core["method_version"] = version
-    if _packs_base_l(method):
+    if _packs_base_l(method, method_config):
         # base-L packing changed its bytes at version 2; bit-packed configs keep their ids
         from kvbench.quant.packing import PACKING_VERSION
 
@@ -100,8 +101,11 @@ def _declaring_config(part: str, node: Any) -> type | None:
     return registry.get(name).Config if isinstance(name, str) and name in registry else None
 
 
-def _packs_base_l(node: Any) -> bool:
-    """Whether a method node packs a level count that is not a power of two (base-L words)."""
+def _packs_base_l(node: Any, config: Any = None) -> bool:
+    """Whether a method node packs a level count that is not a power of two (base-L words).
+    ``config``: the node's validated config, when the caller built it already (the node here has
+    lost its inert defaults and reads ``backend=torch`` for ``auto``, neither of which changes the
+    levels a valid config stores)."""
     from kvbench.config import build_config
     from kvbench.errors import ConfigError
     from kvbench.methods import METHODS
@@ -110,10 +114,11 @@ def _packs_base_l(node: Any) -> bool:
     name = node.get("name") if isinstance(node, dict) else None
     if not isinstance(name, str) or name not in METHODS:
         return False
-    try:
-        config = build_config(METHODS.get(name).Config, node, "method")
-    except ConfigError:
-        return False  # the run itself reports the bad node
+    if config is None:
+        try:
+            config = build_config(METHODS.get(name).Config, node, "method")
+        except ConfigError:
+            return False  # the run itself reports the bad node
     return any(not is_bit_packed(levels) for levels in config.stored_levels())
 
 
@@ -123,9 +128,10 @@ def _method_version(name: Any) -> int:
     return METHODS.get(name).Config.version if isinstance(name, str) and name in METHODS else 1
 
 
-def run_id(config: dict[str, Any]) -> str:
-    """Hash of :func:`canonical_config`: the same computation gets the same folder."""
-    return hashlib.sha256(canonical_json(canonical_config(config)).encode()).hexdigest()[:12]
+def run_id(config: dict[str, Any], method_config: Any = None) -> str:
+    """Hash of :func:`canonical_config` (``method_config``: see there): the same computation gets
+    the same folder."""
+    return hashlib.sha256(canonical_json(canonical_config(config, method_config)).encode()).hexdigest()[:12]
 
 
 def _clean(obj: Any) -> Any:

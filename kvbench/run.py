@@ -2,13 +2,11 @@
 write the results.
 
 No method or task logic lives here: both come from their registries, and the model, method and cache
-factory come from the one run builder (:mod:`kvbench.builder`). :func:`plan_run` is the one place
-where a configuration is checked; it reads the model's config.json and tokenizer but no weights and
-writes nothing, so a bad input costs seconds and leaves no folder behind.
-
-The top-level ``bits`` reaches the method through the run (:func:`run_config`): it fills the knob
-the method's config names (``MethodConfig.bits_knob``) unless the node sets its own, so a method node
-carries no ``bits: ${bits}`` line.
+factory come from the one run builder (:mod:`kvbench.builder`). A run's configuration arrives as one
+typed :class:`kvbench.spec.RunSpec`, resolved and validated once at the entry; nothing here reads a
+config node again. :func:`plan_run` adds the checks that read the task's data and the model's
+config.json and tokenizer (but no weights) and writes nothing, so a bad input costs seconds and
+leaves no folder behind.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +25,9 @@ from tqdm import tqdm
 
 import kvbench
 from kvbench import paths
-from kvbench.config import build_config, check_choice, require, to_plain, unknown_key
-from kvbench.data import resolve_data_root
 from kvbench.errors import ConfigError, Interrupted, Terminated
 from kvbench.kernels.cpu import backend_in_use
-from kvbench.methods import Method, build_method
-from kvbench.methods.base import with_run_bits
-from kvbench.objective import check_objective, objective_names
+from kvbench.methods import Method
 
 # format_table lives with the results so that a sweep's driver can print a table without importing torch.
 from kvbench.results import (  # noqa: F401
@@ -44,89 +38,22 @@ from kvbench.results import (  # noqa: F401
     format_table,
     run_id,
 )
-from kvbench.tasks import Task, build_task
 
-# Top-level keys other than RunConfig's own: nodes validated by their own dataclasses.
-NODE_KEYS = ("model", "task", "method", "logger", "analysis")
-SEED_LIMIT = 2**32  # numpy's generators take seeds below this; torch takes them too
-
-
-RESUME_CHOICES = (True, False, "force")
-
-
-@dataclass
-class OutputConfig:
-    """``resume``: true skips the samples a run folder already holds, provided the same code wrote
-    them (commit, kvbench version, method and task versions); ``force`` accepts rows written by
-    other code too, and the run records that it did (``provenance.json``); false reruns every
-    sample."""
-
-    root: str = "results/runs"
-    resume: bool | str = True
-
-    def __post_init__(self):
-        require(
-            isinstance(self.root, str) and self.root.strip() != "", "output.root", self.root, "a folder path"
-        )
-        require(
-            any(self.resume is c or self.resume == c for c in RESUME_CHOICES if isinstance(c, str))
-            or isinstance(self.resume, bool),
-            "output.resume",
-            self.resume,
-            "true, false or force",
-        )
-
-    def check_root(self) -> None:
-        """The root can be created and written (:func:`kvbench.paths.check_writable_folder`)."""
-        paths.check_writable_folder("output.root", self.root, self.root)
-
-
-@dataclass
-class DataConfig:
-    root: str | None = None
-
-
-@dataclass
-class RunConfig:
-    """The top-level knobs (model, task and method nodes are validated by their own dataclasses)."""
-
-    seed: int = 0
-    bits: float | None = None
-    device: str = "auto"
-    output: OutputConfig = field(default_factory=OutputConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    # what the run returns to an optimizing sweeper (kvbench/objective.py): a name or a list of
-    # names; null: its summary row
-    objective: Any = None
-
-    def __post_init__(self):
-        # a negative or fractional seed would run, into a folder named seed-1 or seed1.5
-        require(
-            0 <= self.seed < SEED_LIMIT,
-            "seed",
-            self.seed,
-            f"an int in 0..{SEED_LIMIT - 1}",
-        )
-        require(
-            self.bits is None or self.bits > 0,
-            "bits",
-            self.bits,
-            "a positive number (log2 of a level count), or null for the method's default",
-        )
-        check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        objective_names(self.objective)  # a name or a list of names; which names: the task's (plan_run)
-        if self.device == "cuda" and not torch.cuda.is_available():
-            why = "torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-            raise ConfigError("device", self.device, f"auto or cpu here: {why}")
-        if isinstance(self.output, dict):
-            self.output = build_config(OutputConfig, self.output, "output")
-        if isinstance(self.data, dict):
-            self.data = build_config(DataConfig, self.data, "data")
-
-    def torch_device(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
+# Moved to kvbench.spec with the run's typed config; named here for the code that imports them from
+# the run (kvbench.reproduce, kvbench.lmeval, scripts).
+from kvbench.spec import (  # noqa: F401
+    NODE_KEYS,
+    RESUME_CHOICES,
+    SEED_LIMIT,
+    DataConfig,
+    OutputConfig,
+    RunConfig,
+    RunSpec,
+    bits_ignored,
+    check_environment,
+    run_config,
+    run_folder,
+)
 
 
 def _git(*args: str) -> str | None:
@@ -233,62 +160,23 @@ def memory_summary(rows: list[dict]) -> dict[str, Any]:
 
 @dataclass
 class RunPlan:
-    """A validated run: what it computes, where its results go, and what it will warn about."""
+    """A validated run: its :class:`~kvbench.spec.RunSpec`, the samples it will run, and whether the
+    checks against the model's shape and tokenizer ran on its files (else they run after the load)."""
 
-    config: dict[str, Any]
-    run: RunConfig
-    model: Any  # a kvbench.models.ModelConfig
-    method: Method
-    task: Task
-    data_root: Path
+    spec: RunSpec
     samples: list[dict[str, Any]]
-    run_id: str
-    folder: Path
-    model_checked: bool  # the checks against the model's shape and tokenizer ran on its files
-    warnings: dict[str, str]
+    model_checked: bool
 
-
-def run_config(cfg: Any) -> dict[str, Any]:
-    """The plain config a run writes to config.json and hashes into its run id: ``cfg`` (a Hydra
-    DictConfig or a dict) resolved, with the top-level ``bits`` in the method node's bits knob where
-    the node leaves it unset (:func:`kvbench.methods.base.with_run_bits`)."""
-    config = dict(to_plain(cfg))  # a copy: the caller's dict keeps its node as given
-    if isinstance(config.get("method"), dict):
-        config["method"] = with_run_bits(config["method"], config.get("bits"))
-    return config
-
-
-def bits_ignored(config: dict[str, Any], method: Method) -> dict[str, str]:
-    """Where the top-level ``bits`` changes nothing: no method (the FP16 baseline), a method without
-    a bits knob (``MethodConfig.bits_knob``), or a node that sets the knob to another value itself.
-    ``config`` is the config as given, before :func:`run_config` fills the knob."""
-    bits, node, knob = config.get("bits"), config.get("method"), method.config.bits_knob
-    if bits is None:
-        return {}
-    if not node:
-        why = "no +method was given, so this is the FP16 baseline"
-    elif knob is None:
-        why = f"{method.label()} has no bits"
-    elif node.get(knob) is not None and node[knob] != bits:
-        why = f"the method node sets method.{knob}={node[knob]:g}"
-    else:
-        return {}
-    return {"bits_ignored": f"bits={bits:g} is ignored: {why}"}
-
-
-def check_environment() -> None:
-    """Every environment variable a run reads, through the reader its owner uses (each raises a
-    ConfigError naming the variable): a bad value fails here, before anything loads, rather than
-    where it is first used. ``KVBENCH_DATA_DIR`` is checked with the data root it stands for."""
-    from kvbench.cache.blockwise import configured_block_size
-    from kvbench.kernels.runtime import interpreting
-    from kvbench.models.hub import hub_offline
-
-    configured_block_size()
-    paths.cache_dir()
-    paths.user_config_dirs()  # KVBENCH_CONFIG_PATH: Hydra's search path skips a bad entry silently
-    hub_offline()
-    interpreting()
+    # the spec's parts, under the names a plan has always had
+    config = property(lambda self: self.spec.config)
+    run = property(lambda self: self.spec.run)
+    model = property(lambda self: self.spec.model)
+    method = property(lambda self: self.spec.method)
+    task = property(lambda self: self.spec.task)
+    data_root = property(lambda self: self.spec.data_root)
+    run_id = property(lambda self: self.spec.run_id)
+    folder = property(lambda self: self.spec.folder)
+    warnings = property(lambda self: self.spec.warnings)
 
 
 def check_conversion(model_cfg: Any) -> None:
@@ -303,72 +191,28 @@ def check_conversion(model_cfg: Any) -> None:
 
 
 def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
-    """Check a configuration (a Hydra DictConfig or a plain dict) against itself, the machine, the
-    data and the model's files; raise ConfigError on the first problem. Cheapest checks first.
+    """Check a configuration (a :class:`~kvbench.spec.RunSpec`, or a Hydra DictConfig or plain dict
+    made into one) against the data and the model's files; raise ConfigError on the first problem.
 
     ``checked_tasks`` lets a sweep check each distinct (task, model, data, seed) once: loading a
     task's samples can take seconds (lm-eval builds its dataset), and most sweeps vary the method."""
-    from kvbench.logger import LoggerConfig
-    from kvbench.models import ModelConfig, peek_model
+    from kvbench.models import peek_model
 
-    check_environment()
-    given = to_plain(cfg)
-    config = run_config(given)
-    run_keys = [f.name for f in fields(RunConfig)]
-    for key in config:
-        if key not in run_keys and key not in NODE_KEYS:
-            raise ConfigError(key, config[key], unknown_key(key, [*run_keys, *NODE_KEYS]))
-    run_cfg = build_config(RunConfig, {k: config[k] for k in run_keys if k in config}, "")
-    build_config(LoggerConfig, config.get("logger"), "logger")
-    if config.get("analysis") is not None:
-        analysis_plan(config["analysis"])
-    method = build_method(config.get("method"))
-    model_cfg = build_config(ModelConfig, config.get("model"), "model")
-    run_cfg.output.check_root()
-    data_root = resolve_data_root(run_cfg.data.root)
-    task = build_task(config.get("task"), data_root, run_cfg.seed)
-    check_objective(run_cfg.objective, task.primary_metric)
-    task_key = canonical_json([config.get("task"), config.get("model"), str(data_root), run_cfg.seed])
+    spec = RunSpec.from_config(cfg)
+    task_key = canonical_json(
+        [spec.config.get("task"), spec.config.get("model"), str(spec.data_root), spec.run.seed]
+    )
     known = (checked_tasks or {}).get(task_key)
-    samples = known if known is not None else task.samples()  # fails on missing or unreadable data
-    check_conversion(model_cfg)
-    peeked = peek_model(model_cfg)
+    samples = known if known is not None else spec.task.samples()  # fails on missing or unreadable data
+    check_conversion(spec.model)
+    peeked = peek_model(spec.model)
     if peeked is not None:
-        method.config.check_model(peeked[0])
+        spec.method.config.check_model(peeked[0])
         if known is None:
-            task.check_model(*peeked)
+            spec.task.check_model(*peeked)
     if checked_tasks is not None:
         checked_tasks[task_key] = samples
-    rid = run_id(config)
-    folder = run_folder(
-        run_cfg.output.root, task.registered_name, model_cfg.name, method.label(), run_cfg.seed, rid
-    )
-    warnings = {**method.config.context_warnings(task.prompt_lengths()), **bits_ignored(given, method)}
-    return RunPlan(
-        config,
-        run_cfg,
-        model_cfg,
-        method,
-        task,
-        data_root,
-        samples,
-        rid,
-        folder,
-        peeked is not None,
-        warnings,
-    )
-
-
-def run_folder(root: str, task: str, model: str, method: str, seed: int, rid: str) -> Path:
-    """``root/task/model/method/seed<seed>-<run id>``. Each part is one safe folder name (the model's
-    name is checked by its config; the others are made by kvbench, checked here all the same) and
-    the folder resolves inside ``root``: no configuration writes a run anywhere else."""
-    parts = {"task.name": task, "model.name": model, "method": method, "run id": f"seed{seed}-{rid}"}
-    for key, value in parts.items():
-        paths.safe_component(key, value)
-    folder = Path(root).joinpath(*parts.values())
-    paths.check_inside(folder, root, "output.root", root)
-    return folder
+    return RunPlan(spec, samples, peeked is not None)
 
 
 def warn(message: str) -> None:
@@ -387,9 +231,10 @@ def memory_warnings(memory: dict[str, Any], label: str) -> dict[str, str]:
 
 
 def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
-    """Run one configuration (a Hydra DictConfig or a plain dict); returns the metrics written."""
+    """Run one configuration (a :class:`~kvbench.spec.RunSpec`, or a Hydra DictConfig or plain dict
+    made into one); returns the metrics written."""
     plan = plan_run(cfg)
-    created = not Path(plan.folder).exists()
+    created = not plan.folder.exists()
     folder = RunFolder(plan.folder)
     try:
         return _execute_in(folder, plan, progress)
@@ -398,14 +243,15 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
         # made and never wrote a sample to goes, so nothing on disk looks like an unfinished run. The
         # same config fails the same way in any process that waited on the lock.
         if created:
-            folder.discard_if_unused(Path(plan.run.output.root))
+            folder.discard_if_unused(Path(plan.spec.output.root))
         raise
 
 
-def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
+def _execute_in(folder: RunFolder, plan: RunPlan, progress: bool) -> dict[str, Any]:
     """The run of :func:`execute` inside its folder."""
-    config, run_cfg, model_cfg, method, task = plan.config, plan.run, plan.model, plan.method, plan.task
-    samples, rid = plan.samples, plan.run_id
+    spec = plan.spec
+    config, run_cfg, model_cfg, method, task = spec.config, spec.run, spec.model, spec.method, spec.task
+    samples, rid = plan.samples, spec.run_id
     # One process per run folder: a parallel sweep (Slurm array, submitit) can map several points
     # to one folder (fp16 ignores bits); the second waits, then resumes and finds nothing to do.
     with folder.lock():
@@ -426,7 +272,7 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
 
                 # the logger's run id is the run's: a finished point logged again updates its
                 # wandb run (one per configuration), where a first logging was missed or failed
-                log_run(config, stored)
+                log_run(spec, stored)
                 return {**stored, "folder": str(folder.path)}
         code = code_identity(method, task)
         accepted = check_resume(folder, len(done) if todo else 0, code, run_cfg.output.resume)
@@ -434,21 +280,21 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
             {"code": code, "rows_before": len(done), "resume": accepted or run_cfg.output.resume}
         )
 
-        for message in plan.warnings.values():
+        for message in spec.warnings.values():
             warn(message)
         torch.manual_seed(run_cfg.seed)
         from kvbench.builder import load_for_methods
 
         loaded = load_for_methods(model_cfg, run_cfg.torch_device())
         # the task's checks against the model ran in plan_run when its files were local already
-        runner = loaded.runner(method, plan.data_root, task=None if plan.model_checked else task)
+        runner = loaded.runner(method, spec.data_root, task=None if plan.model_checked else task)
 
         t_run = time.perf_counter()
         bar = tqdm(
             todo, desc=f"{task.registered_name} {method.label()}", disable=not progress, file=sys.stderr
         )
         try:
-            _run_samples(bar, done, folder, task, runner, method, model_cfg, run_cfg)
+            _run_samples(bar, done, folder, runner, spec)
         except KeyboardInterrupt as err:
             # what is on disk: the signal may land between a row's append and its entry in `done`
             stored = {row.get("id") for row in folder.rows()} | set(done)
@@ -474,7 +320,7 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
             "memory": memory,
             # what the model's sliding-window layers held (kvbench.methods.base.SLIDING_RULES)
             "sliding_windows": method.config.sliding_windows if runner.shape.sliding_layers() else "none",
-            "warnings": {**plan.warnings, **measured},
+            "warnings": {**spec.warnings, **measured},
             "timings": {
                 "model_load_s": loaded.load_s,
                 "run_s": time.perf_counter() - t_run,
@@ -490,7 +336,7 @@ def _execute_in(folder: RunFolder, plan: Any, progress: bool) -> dict[str, Any]:
         folder.write_metrics(metrics)
         from kvbench.logger import log_run
 
-        log_run(config, metrics)  # after the folder is written: a logger failure cannot lose results
+        log_run(spec, metrics)  # after the folder is written: a logger failure cannot lose results
         return metrics
 
 
@@ -520,17 +366,18 @@ def trusted_metrics(folder: RunFolder, path: Path, task: Any, rows: list[dict[st
     return stored
 
 
-def _run_samples(bar, done, folder, task, runner, method, model_cfg, run_cfg) -> None:
+def _run_samples(bar, done, folder, runner, spec: RunSpec) -> None:
     """Run and append each sample of ``todo`` (``done`` gains each finished row)."""
+    task, method = spec.task, spec.method
     for sample in bar:
         t_sample = time.perf_counter()
         row = task.run(sample, runner)
         memory = row.pop("memory", None)
         row = {
             "sample_id": sample["id"],
-            "seed": run_cfg.seed,
+            "seed": spec.seed,
             "task": task.registered_name,
-            "model": model_cfg.name,
+            "model": spec.model.name,
             "method": method.label(),
             "bits": method.config.bits,
             **row,
