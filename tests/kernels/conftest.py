@@ -9,7 +9,19 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def compiled_kernels():
+    """The compiled CPU kernel module, or a skip naming why it did not build."""
+    from kvbench.kernels import cpu
+
+    module = cpu.cpu_kernels()
+    if module is None:
+        pytest.skip(f"the compiled CPU kernels did not build here: {cpu._state['error']}")
+    return module

@@ -27,11 +27,8 @@ LEVELS = [*range(2, 17), 17, 24, 32, 40, 64, 84, 85, 128, 256]
 
 
 @pytest.fixture(scope="module")
-def reader():
-    module = cpu.cpu_kernels()
-    if module is None:
-        pytest.skip(f"the compiled CPU kernels did not build here: {cpu._state['error']}")
-    return CompiledReader(module)
+def reader(compiled_kernels):
+    return CompiledReader(compiled_kernels)
 
 
 def close(got, want, where):

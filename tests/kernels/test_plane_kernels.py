@@ -20,7 +20,6 @@ import torch
 
 from kvbench.cache.bitplanes import BitPlaneTokens
 from kvbench.cache.dense_sparse import DenseSparseTokens
-from kvbench.kernels import cpu
 from kvbench.methods.readkv import (
     PlaneStore,
     blockwise_query_adaptive_attention,
@@ -32,11 +31,8 @@ from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
 
 
 @pytest.fixture(scope="module")
-def kernels():
-    module = cpu.cpu_kernels()
-    if module is None:
-        pytest.skip(f"the compiled CPU kernels did not build here: {cpu._state['error']}")
-    return module
+def kernels(compiled_kernels):
+    return compiled_kernels
 
 
 def close(got, want, where, rel=2e-5):

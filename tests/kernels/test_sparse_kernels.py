@@ -17,18 +17,14 @@ import torch
 
 from kvbench.cache.codebook_source import CodebookSource
 from kvbench.cache.source import RoPESource
-from kvbench.kernels import cpu
 from kvbench.kernels.cpu.parts import _correct_mix, _correct_scores
 from kvbench.quant.packing import pack
 from kvbench.quant.rope import cos_sin
 
 
 @pytest.fixture(scope="module")
-def module():
-    m = cpu.cpu_kernels()
-    if m is None:
-        pytest.skip(f"the compiled CPU kernels did not build here: {cpu._state['error']}")
-    return m
+def module(compiled_kernels):
+    return compiled_kernels
 
 
 def close(got, want, where):

@@ -802,6 +802,8 @@ inline bool shift_mix(const ShiftRows& rows, int64_t t0, int64_t n, const float*
 struct DigitRows {
   View4 codes;
   int64_t levels, head_dim, C, M, blocks, width_;
+  int64_t low = 0;     // three-byte words: digits below the split, which is at L^low
+  double split = 1;
   const uint8_t* end;  // one past the last readable byte of the code storage
   bool lookup;         // the table is not the codes themselves
   std::vector<float> table, out;
@@ -814,6 +816,10 @@ struct DigitRows {
     const int64_t chunks = (head_dim + C - 1) / C;
     blocks = (chunks + 7) / 8;
     width_ = blocks * C * 8;
+    if (M == 3) {
+      low = C / 2;
+      for (int64_t i = 0; i < low; ++i) split *= static_cast<double>(levels);
+    }
     const auto& storage = codes_.storage();
     end = static_cast<const uint8_t*>(storage.data()) + storage.nbytes();
     table.assign(16, 0.f);
@@ -876,11 +882,8 @@ struct DigitRows {
         digits(_mm256_cvtepi32_ps(w), C, o, lo, hi);
         continue;
       }
-      // split each word at S = L^(C/2) into a high and a low part, both below 2^22 / L
-      const int64_t low = C / 2;
-      double S = 1;
-      for (int64_t i = 0; i < low; ++i) S *= static_cast<double>(levels);
-      const __m256d s = _mm256_set1_pd(S), inv = _mm256_set1_pd(1.0 / S), half = _mm256_set1_pd(0.5);
+      // split each word at L^low into a high and a low part, both below 2^22 / L
+      const __m256d s = _mm256_set1_pd(split), inv = _mm256_set1_pd(1.0 / split), half = _mm256_set1_pd(0.5);
       __m128 qh[2], ql[2];
       for (int part = 0; part < 2; ++part) {
         const __m256d x = _mm256_cvtepi32_pd(part == 0 ? _mm256_castsi256_si128(w) : _mm256_extracti128_si256(w, 1));

@@ -49,6 +49,18 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
+// One float32, float16 or bfloat16 value at p, as float32 (p need not be aligned).
+inline float load_scalar(const char* p, at::ScalarType type) {
+  if (type == at::kFloat) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return type == at::kHalf ? half_to_float(h) : bf16_to_float(h);
+}
+
 // A 1-d tensor of indices or values read in its own dtype through its stride; the switch is on one
 // dtype per call, so it predicts perfectly.
 struct Column {
@@ -155,17 +167,7 @@ struct ParamAt {
 
   float read(int64_t bh, int64_t t, int64_t d) const {
     const int64_t c = channels_per_value == 1 ? d : d / channels_per_value;
-    const char* p = data + (base[bh] + t * st + c * sd) * item;
-    uint16_t h;
-    switch (type) {
-      case at::kFloat: {
-        float f;
-        std::memcpy(&f, p, 4);
-        return f;
-      }
-      case at::kHalf: std::memcpy(&h, p, 2); return half_to_float(h);
-      default: std::memcpy(&h, p, 2); return bf16_to_float(h);
-    }
+    return load_scalar(data + (base[bh] + t * st + c * sd) * item, type);
   }
 };
 
@@ -483,17 +485,7 @@ struct RopeRows {
     }
   }
   static float scalar(const P& p, int64_t t) {
-    const char* q = p.data + (p.base + t * p.st) * p.item;
-    uint16_t h;
-    switch (p.type) {
-      case at::kFloat: {
-        float f;
-        std::memcpy(&f, q, 4);
-        return f;
-      }
-      case at::kHalf: std::memcpy(&h, q, 2); return half_to_float(h);
-      default: std::memcpy(&h, q, 2); return bf16_to_float(h);
-    }
+    return load_scalar(p.data + (p.base + t * p.st) * p.item, p.type);
   }
 };
 
