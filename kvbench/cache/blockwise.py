@@ -119,6 +119,33 @@ def _positional_mask(positions: torch.Tensor, mask: torch.Tensor | None, rows: i
     return m.gather(-1, cols).masked_fill(hidden[:, :, None, :], -math.inf)
 
 
+def replaced_positions(replaced: torch.Tensor, stored: int) -> torch.Tensor:
+    """The ``positions [B, H_kv, stored]`` of a store whose last k entries replace the entries
+    ``replaced [B, H_kv, k]`` of the first ``stored - k`` (held in order): the replaced ones -1, the
+    replacements at their positions."""
+    b, h, k = replaced.shape
+    n = stored - k
+    seq = torch.arange(n, device=replaced.device).expand(b, h, n)
+    return torch.cat([seq.scatter(-1, replaced, -1), replaced], dim=-1)
+
+
+def _replace_logits(
+    logits: torch.Tensor, replaced: torch.Tensor, mask: torch.Tensor | None, rows: int
+) -> torch.Tensor:
+    """Logits ``[B, H_kv, rows, n + k]`` of in-order entries followed by k replacements of the entries
+    ``replaced [B, H_kv, k]``: the mask's columns added (the replacements take their entries'), the
+    replaced entries hidden. In place."""
+    b, h, _, total = logits.shape
+    k = replaced.shape[-1]
+    n = total - k
+    cols = replaced[:, :, None, :].expand(b, h, rows, k)
+    if mask is not None:
+        logits[..., :n] += mask[..., :n]
+        full = mask.expand(max(b, mask.shape[0]), h, rows, mask.shape[-1])
+        logits[..., n:] += full.gather(-1, cols)
+    return logits.scatter_(-1, cols, -math.inf)
+
+
 class LogitObserver:
     """Sees what :func:`blockwise_attention` computes, for methods that choose tokens by attention
     (SpeCache's top-k): :meth:`block` gets each block's scaled, masked logits ``[B, H_kv, rows, n]``
@@ -293,11 +320,18 @@ def single_call_attention(
     positions: torch.Tensor | None = None,
     observer: LogitObserver | None = None,
     reader: PartReader | None = None,
+    replaced: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`blockwise_attention` (same arguments, same read rule, same result up to float
     reassociation) with one ``scores`` and one ``mix`` call per stored part and one softmax over
     all logits, stored and exact; ``reader`` may answer parts with compiled kernels. The observer
-    sees the stored logits as one block ``[0, T)``, then the exact ones."""
+    sees the stored logits as one block ``[0, T)``, then the exact ones.
+
+    ``replaced``: instead of ``positions``, int64 ``[B, H_kv, k]``: the last k stored entries are
+    exact copies of the entries ``replaced`` of the first ``T - k``, which are held in sequence order
+    (SpeCache's prefetched rows over its low-bit copy): the replaced entries are hidden with one
+    scatter instead of a positional mask over every entry (:func:`replaced_positions` is the same
+    store in ``positions`` form)."""
     stored = keys.num_tokens
     if values.num_tokens != stored:
         raise ValueError(f"keys hold {stored} tokens but values hold {values.num_tokens}")
@@ -316,10 +350,19 @@ def single_call_attention(
             raise ValueError(
                 f"positions must be [B, H_kv, T] = {(b, hkv, stored)}, got {tuple(positions.shape)}"
             )
+    if replaced is not None:
+        if positions is not None:
+            raise ValueError("give positions or replaced, not both")
+        if replaced.shape[:2] != (b, hkv) or replaced.shape[-1] > stored:
+            raise ValueError(
+                f"replaced must be [B, H_kv, k <= T] = {(b, hkv)} + (k,), got {tuple(replaced.shape)}"
+            )
     key_parts, value_parts = source_parts(keys), source_parts(values)
     logits = part_scores(key_parts, qf, reader)
     if positions is not None:
         logits = logits + _positional_mask(positions.long(), mask, rows)
+    elif replaced is not None:
+        logits = _replace_logits(logits, replaced.long(), mask, rows)
     elif mask is not None:
         logits = logits + mask[..., :stored]
     if observer is not None:
@@ -365,6 +408,7 @@ def blockwise_attention_forward(
     positions: torch.Tensor | None = None,
     observer: LogitObserver | None = None,
     reader: PartReader | None = None,
+    replaced: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """:func:`blockwise_attention` in the shape of transformers' attention functions: returns
@@ -372,7 +416,8 @@ def blockwise_attention_forward(
     ``block_size`` defaults to ``KVBENCH_BLOCK_SIZE`` from the environment, else 1024. When the
     logits of all stored tokens fit :data:`SINGLE_CALL_BUDGET` (decode steps) and no block size is
     asked for (neither the argument nor ``KVBENCH_BLOCK_SIZE``), :func:`single_call_attention`
-    runs instead, with ``reader``'s kernels."""
+    runs instead, with ``reader``'s kernels. ``replaced``: see :func:`single_call_attention`; the
+    block loop takes it in ``positions`` form."""
     if scaling is None:
         scaling = module.scaling
     if (
@@ -393,8 +438,13 @@ def blockwise_attention_forward(
             positions,
             observer,
             reader,
+            replaced,
         )
         return out, None
+    if replaced is not None:
+        if positions is not None:
+            raise ValueError("give positions or replaced, not both")
+        positions = replaced_positions(replaced.long(), keys.num_tokens)
     if block_size is None:
         block_size = configured_block_size()
     out = blockwise_attention(

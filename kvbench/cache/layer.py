@@ -37,11 +37,14 @@ from kvbench.cache.source import ConcatSource, TokenSource
 class StoredTokens:
     """What a layer has stored, ready to attend: ``keys``/``values`` sources of T entries and, when
     a kv head's entries are not in sequence order, their positions (``[B, H_kv, T]`` int64, -1 for
-    an entry never attended; see :func:`~kvbench.cache.blockwise.blockwise_attention`)."""
+    an entry never attended; see :func:`~kvbench.cache.blockwise.blockwise_attention`), or, for
+    entries in order whose last k replace k earlier ones, ``replaced`` (``[B, H_kv, k]``; see
+    :func:`~kvbench.cache.blockwise.single_call_attention`)."""
 
     keys: TokenSource
     values: TokenSource
     positions: torch.Tensor | None = None
+    replaced: torch.Tensor | None = None
 
     @property
     def num_entries(self) -> int:
@@ -56,6 +59,8 @@ def concat_stored(parts: list[StoredTokens | None], lengths: list[int] | None = 
     keep = [(i, p) for i, p in enumerate(parts) if p is not None and p.num_entries]
     if not keep:
         return None
+    if any(p.replaced is not None for _, p in keep):
+        raise ValueError("concat_stored takes parts without replaced entries")
     if len(keep) == 1 and keep[0][1].positions is None:
         return keep[0][1]
     keys = ConcatSource([p.keys for _, p in keep])
@@ -234,6 +239,7 @@ class KVLayer(CacheLayerMixin):
             exact_values=values,
             positions=stored.positions,
             observer=observer,
+            replaced=stored.replaced,
             reader=read_kernels(self.read_backend, query.device),
         )
 

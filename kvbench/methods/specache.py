@@ -182,9 +182,12 @@ class HostTokens:
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         """Rows ``idx [B, H_kv, k]`` (host, int64) of every head: ``[B, H_kv, k, D]`` on the host."""
-        index = idx[..., None].expand(*idx.shape, self.buf.shape[-1])
-        out = self._alloc(index.shape)
-        return torch.gather(self.buf[..., : self.n, :], 2, index, out=out)
+        b, h, k = idx.shape
+        cap, d = self.buf.shape[-2:]
+        # one index_select of whole rows over the flat buffer (a gather's per-element index is slower)
+        flat = (idx + torch.arange(b * h).view(b, h, 1) * cap).reshape(-1)
+        out = self._alloc((b * h * k, d))
+        return torch.index_select(self.buf.view(b * h * cap, d), 0, flat, out=out).view(b, h, k, d)
 
     def tensors(self) -> list[torch.Tensor]:
         return [] if self.buf is None else [self.buf]
@@ -193,29 +196,38 @@ class HostTokens:
 class TopKScores(LogitObserver):
     """The attention probabilities of one query row, summed over the query heads that share each kv
     head, by sequence position: what ArgTopK ranks. Watches a blockwise attention
-    (:func:`~kvbench.cache.blockwise.blockwise_attention`) whose stored entries sit at ``positions``
-    (None: in order) and whose exact tokens follow at positions ``length ..``.
+    (:func:`~kvbench.cache.blockwise.blockwise_attention`) over stored entries whose exact tokens
+    follow at positions ``length ..``. The stored entries are in order (``positions`` and
+    ``replaced`` None: entry i is position i), at ``positions [B, H_kv, n]`` (-1: hidden), or in
+    order with their last k replacing the entries ``replaced [B, H_kv, k]`` (SpeCache's prefetched
+    rows, :meth:`SpeCacheLayer.substituted`).
 
     ``row``: the query position (negative counts from the end), ``q``: the forward's query count,
     ``rep``: query heads per kv head."""
 
-    def __init__(self, row: int, q: int, rep: int, positions: torch.Tensor | None, length: int):
+    def __init__(
+        self,
+        row: int,
+        q: int,
+        rep: int,
+        positions: torch.Tensor | None,
+        length: int,
+        replaced: torch.Tensor | None = None,
+    ):
         self.row = row % q
         self.q, self.rep = q, rep
-        self.positions, self.length = positions, length
-        self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (positions [B, H, n], logits)
+        self.positions, self.length, self.replaced = positions, length, replaced
+        if positions is not None:
+            self.stored = positions.shape[-1]
+        else:
+            self.stored = length + (0 if replaced is None else replaced.shape[-1])
+        self.blocks: list[tuple[int, int, torch.Tensor]] = []
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, :, self.row :: self.q]  # rows ordered (rep, position): [B, H_kv, rep, ...]
 
     def block(self, start: int, stop: int, logits: torch.Tensor) -> None:
-        b, h = logits.shape[:2]
-        if self.positions is not None and start < self.positions.shape[-1]:
-            pos = self.positions[..., start:stop]
-        else:  # in-order stored entries, or the exact tokens after the stored ones
-            first = start if self.positions is None else self.length + start - self.positions.shape[-1]
-            pos = torch.arange(first, first + stop - start, device=logits.device).expand(b, h, stop - start)
-        self.blocks.append((pos, self._rows(logits)))
+        self.blocks.append((start, stop, self._rows(logits)))
 
     def done(self, m: torch.Tensor, l: torch.Tensor) -> None:  # noqa: E741
         m, norm = self._rows(m), self._rows(l)  # running max and softmax sum of the chosen row
@@ -224,10 +236,30 @@ class TopKScores(LogitObserver):
         b, h = m.shape[:2]
         total = self.length + self.q
         self.scores = torch.zeros(b, h, total + 1, device=m.device)  # a scratch column for hidden entries
-        for pos, logits in self.blocks:
-            probs = (torch.exp(logits - ref) / norm).sum(dim=2)
-            self.scores.scatter_add_(-1, torch.where(pos >= 0, pos, total), probs)
+        for start, stop, logits in self.blocks:
+            self._add(start, stop, (torch.exp(logits - ref) / norm).sum(dim=2))
         self.blocks = []
+
+    def _add(self, start: int, stop: int, probs: torch.Tensor) -> None:
+        """Add the probabilities ``[B, H_kv, stop - start]`` of entries ``[start, stop)`` (stored ones,
+        then the exact tokens from ``self.stored`` on) at their positions."""
+        if start >= self.stored:  # the exact tokens
+            first = self.length + start - self.stored
+            self.scores[..., first : first + stop - start] += probs
+            return
+        if self.positions is not None:
+            pos = self.positions[..., start:stop]
+            total = self.scores.shape[-1] - 1
+            self.scores.scatter_add_(-1, torch.where(pos >= 0, pos, total), probs)
+            return
+        # in order up to `length`; a replaced entry's probability is 0 (its logit is -inf) and its
+        # replacement's is added at its position
+        mid = min(stop, self.length)
+        if start < mid:
+            self.scores[..., start:mid] += probs[..., : mid - start]
+        if stop > mid:
+            idx = self.replaced[..., mid - self.length : stop - self.length]
+            self.scores.scatter_add_(-1, idx, probs[..., mid - start :])
 
     def top(self, k: int, candidates: int) -> torch.Tensor | None:
         """``ArgTopK`` among positions ``0 .. candidates - 1``: ``[B, H_kv, min(k, candidates)]``."""
@@ -317,14 +349,12 @@ class SpeCacheLayer(KIVILayer):
         self._materialize()
         if self.log is not None:
             self.log.append(self.fetched_idx.clone())
-        b, h, k = self.fetched_idx.shape
-        n = low_bit.num_entries
-        seq = torch.arange(n, device=self.fetched_idx.device).expand(b, h, n)
-        hidden = torch.cat([seq, seq.new_zeros(b, h, 1)], dim=-1).scatter(-1, self.fetched_idx, -1)[..., :n]
+        if low_bit.positions is not None or low_bit.replaced is not None:
+            raise ValueError("specache's low-bit copy holds its tokens in order")
         return StoredTokens(
             ConcatSource([low_bit.keys, FullPrecisionSource(self.fetched_k)]),
             ConcatSource([low_bit.values, FullPrecisionSource(self.fetched_v)]),
-            torch.cat([hidden, self.fetched_idx.long()], dim=-1),
+            replaced=self.fetched_idx,
         )
 
     # -- transformers' cache update and attention ------------------------------------------------
@@ -354,7 +384,9 @@ class SpeCacheLayer(KIVILayer):
             self._pending = stored
             return super().attend(module, query, keys, values, attention_mask, **kwargs)
         rep = query.shape[1] // keys.shape[1]
-        scores = TopKScores(plan.select, query.shape[2], rep, stored.positions, self._past_len)
+        scores = TopKScores(
+            plan.select, query.shape[2], rep, stored.positions, self._past_len, stored.replaced
+        )
         out = self.attend_stored(
             module, query, stored, keys, values, attention_mask, observer=scores, **kwargs
         )

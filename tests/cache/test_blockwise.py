@@ -397,3 +397,35 @@ def test_transient_memory_grows_with_the_block_not_the_cache():
     dequantized = 2 * H_KV * 4096 * D * 4  # float32 K and V of the 4096-token cache
     assert peaks[4096] < dequantized / 8
     assert peaks[4096] <= 1.1 * peaks[1024]
+
+
+@pytest.mark.parametrize("mask_heads", [None, 1, 9])
+@pytest.mark.parametrize("single_call", [True, False])
+def test_replaced_entries_attend_their_replacements(mask_heads, single_call):
+    """A store held in order whose last k entries replace k earlier ones (SpeCache's prefetched
+    rows): the same attention as SDPA over the store with those rows overwritten, mask columns
+    taken at the replaced positions; the single call (one scatter) and the block loop (positions
+    form) agree."""
+    g = torch.Generator().manual_seed(11)
+    n, k, q = 70, 5, 2
+    low_k, low_v = torch.randn(2, B, H_KV, n, D, generator=g).unbind(0)
+    replaced = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(B * H_KV)]).view(B, H_KV, k)
+    rows_k, rows_v = torch.randn(2, B, H_KV, k, D, generator=g).unbind(0)
+    keys = ConcatSource([FullPrecisionSource(low_k), FullPrecisionSource(rows_k)])
+    values = ConcatSource([FullPrecisionSource(low_v), FullPrecisionSource(rows_v)])
+    query = torch.randn(B, 9, q, D, generator=g)
+    ek, ev = torch.randn(2, B, H_KV, q, D, generator=g).unbind(0)
+    mask = None
+    if mask_heads is not None:
+        mask = torch.rand(B, mask_heads, q, n + q, generator=g) > 0.3
+        mask[..., n:] = torch.ones(q, q, dtype=torch.bool).tril()
+    dense_k, dense_v = low_k.clone(), low_v.clone()
+    index = replaced[..., None].expand(B, H_KV, k, D)
+    dense_k.scatter_(2, index, rows_k)
+    dense_v.scatter_(2, index, rows_v)
+    ref = _reference(query, [dense_k], [dense_v], ek, ev, D**-0.5, mask=mask)
+    out, _ = blockwise_attention_forward(
+        None, query, keys, values, mask, scaling=D**-0.5, block_size=None if single_call else 16,
+        exact_keys=ek, exact_values=ev, replaced=replaced,
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)

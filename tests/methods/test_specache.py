@@ -63,12 +63,13 @@ def test_minmax_zero_point_is_kivi_at_one_bit():
     assert torch.equal(layer.read()[0][0, 0, :, 0], torch.tensor([0.0, 4.0]))  # z = min, s = max - min
 
 
-def observe(probs: torch.Tensor, row: int, stored: int, positions=None) -> TopKScores:
+def observe(probs: torch.Tensor, row: int, stored: int, positions=None, replaced=None) -> TopKScores:
     """Feed a TopKScores the logits of ``probs [B, H_kv, rep, q, S]`` (m = 0, l = 1, so its
     probabilities are ``probs``): ``stored`` entries in one block, then the q exact tokens."""
     b, h, rep, q, total = probs.shape
     logits = probs.log().reshape(b, h, rep * q, total)  # rows ordered (rep, position)
-    scores = TopKScores(row, q, rep, positions, total - q)
+    length = total - q - (0 if replaced is None else replaced.shape[-1])
+    scores = TopKScores(row, q, rep, positions, length, replaced)
     scores.block(0, stored, logits[..., :stored])
     scores.block(stored, stored + q, logits[..., stored:])
     scores.done(torch.zeros(b, h, rep * q, 1), torch.ones(b, h, rep * q, 1))
@@ -91,6 +92,12 @@ def test_topk_sums_the_query_heads_of_a_kv_head():
     positions = torch.tensor([[[2, 0, -1, 1]]])  # entry 2 (position 3) hidden
     scores = observe(shuffled, 1, 4, positions)
     assert torch.allclose(scores.scores[0, 0, :6], torch.tensor([0.1, 0.2, 0.1, 0.0, 0.7, 0.3]))
+    # in order, with a replacement of position 3 after the 4 stored entries: the hidden entry's
+    # probability is 0 and the replacement's is counted at position 3
+    swapped = torch.cat([probs[..., :4], probs[..., 3:4], probs[..., 4:]], dim=-1)
+    swapped[..., 3] = 0.0
+    scores = observe(swapped, 1, 5, replaced=torch.tensor([[[3]]]))
+    assert torch.allclose(scores.scores[0, 0, :6], torch.tensor([0.1, 0.2, 0.1, 0.6, 0.7, 0.3]))
 
 
 def test_speculative_row_chooses_the_prefetch():

@@ -725,10 +725,12 @@ inline bool shift_scores(const ShiftRows& rows, int64_t t0, int64_t n, const flo
 }
 
 // acc[m, :] += sum_u w[m][g(span)][u] codes(t0 + u) for MB rows, in token order; acc and the codes in
-// shift order; w(m, g) points at the weights of row m and channel group g for token t0.
-template <int BITS, int MB, int SB>
-void shift_mix_span(const ShiftRows& rows, int64_t t0, int64_t n, const float* const* w, int64_t j, int s0,
-                    float* const* acc) {
+// shift order; w(m, g) points at the weights of row m and channel group g for token t0. TWO: a span
+// holds two channel groups (group = 32 / b codes); its lanes 0-3 are channels of the first (w) and
+// lanes 4-7 of the second (w2), whatever the shift, so the weight vector holds one per half.
+template <int BITS, int MB, int SB, bool TWO>
+void shift_mix_span(const ShiftRows& rows, int64_t t0, int64_t n, const float* const* w, const float* const* w2,
+                    int64_t j, int s0, float* const* acc) {
   const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
   constexpr int per = 8 / BITS;
   __m256 a[MB][SB];
@@ -737,7 +739,11 @@ void shift_mix_span(const ShiftRows& rows, int64_t t0, int64_t n, const float* c
   for (int64_t u = 0; u < n; ++u) {
     const __m256i x = widen8(rows.row(t0 + u) + 8 * j);
     for (int m = 0; m < MB; ++m) {
-      const __m256 wm = _mm256_set1_ps(w[m][u]);
+      __m256 wm;
+      if constexpr (TWO)
+        wm = _mm256_set_m128(_mm_set1_ps(w2[m][u]), _mm_set1_ps(w[m][u]));
+      else
+        wm = _mm256_set1_ps(w[m][u]);
       for (int s = 0; s < SB; ++s) a[m][s] = _mm256_fmadd_ps(wm, shift_codes<BITS>(x, s0 + s, mask), a[m][s]);
     }
   }
@@ -750,15 +756,23 @@ void shift_mix_rows(const ShiftRows& rows, int64_t t0, int64_t n, const float* w
                     int64_t ng, int64_t group, int64_t D, float* acc) {
   constexpr int per = 8 / BITS, SB = per < 4 ? per : 4;
   const int64_t spans = D * BITS / 64;
+  const bool two = 2 * group == 64 / BITS;
   for (int64_t j = 0; j < spans; ++j) {
     const int64_t gi = j * (64 / BITS) / group;
     const float* w[MB];
+    const float* w2[MB];
     float* am[MB];
     for (int m = 0; m < MB; ++m) {
       w[m] = wsc + (m * ng + gi) * w_stride;
+      w2[m] = two ? w[m] + w_stride : w[m];
       am[m] = acc + m * D;
     }
-    for (int s0 = 0; s0 < per; s0 += SB) shift_mix_span<BITS, MB, SB>(rows, t0, n, w, j, s0, am);
+    for (int s0 = 0; s0 < per; s0 += SB) {
+      if (two)
+        shift_mix_span<BITS, MB, SB, true>(rows, t0, n, w, w2, j, s0, am);
+      else
+        shift_mix_span<BITS, MB, SB, false>(rows, t0, n, w, w2, j, s0, am);
+    }
   }
 }
 
@@ -1202,8 +1216,13 @@ at::Tensor token_mix(const at::Tensor& p, const Rows& proto, const std::vector<i
             wsc[(m * ng + gi) * kChunk + u] = pm * sc[u * ng + gi];
             zsum += pm * zc[u * ng + gi];
           }
-          // a group's positions are a permutation of its channels, so the zero term is the same
-          for (int64_t d = gi * gw; d < (gi + 1) * gw; ++d) acc[m * R + d] += zsum;
+          // the zero term at the positions of the group's channels (with one group: the whole
+          // row, padding included)
+          if (ng == 1) {
+            for (int64_t d = 0; d < R; ++d) acc[m * R + d] += zsum;
+          } else {
+            for (int64_t d = gi * group; d < (gi + 1) * group; ++d) acc[m * R + pos[d]] += zsum;
+          }
         }
       }
       int64_t u = 0;
@@ -1265,8 +1284,9 @@ at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, 
   TORCH_CHECK(sv.cols == D / group && zv.cols == D / group, "scale and zero must be [B, H_kv, T, D / G]");
   if (shift_unpackable(levels, D, chunk_bytes)) {
     const int bits = __builtin_ctzll(levels);
-    // a group must be whole 8-byte spans (64 / b channels) for the permutation to stay inside it
-    if (group % (64 / bits) == 0) {
+    // a group is whole 8-byte spans (64 / b channels), or half of one (each lane's codes then lie
+    // in one group: lanes 0-3 in the first)
+    if (group % (64 / bits) == 0 || 2 * group == 64 / bits) {
       TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
                   "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
       return token_mix(p, ShiftRows(View4(codes), bits, D), shift_order(bits, D), sv, zv, D, group);
