@@ -30,6 +30,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench.cache.blockwise import LogitObserver, blockwise_attention_forward
+from kvbench.cache.masks import newest_causal_mask
 from kvbench.cache.source import ConcatSource, TokenSource
 
 
@@ -200,10 +201,7 @@ class KVLayer(CacheLayerMixin):
         if stored is None:
             q, kv = query.shape[-2], keys.shape[-2]
             if attention_mask is None and 1 < q < kv:
-                # SDPA's is_causal aligns the diagonal top-left; the new tokens are the last q
-                attention_mask = torch.ones(q, kv, dtype=torch.bool, device=query.device).tril(kv - q)[
-                    None, None
-                ]
+                attention_mask = newest_causal_mask(q, kv, query.device)
             return sdpa_attention_forward(module, query, keys, values, attention_mask, **kwargs)
         return self.attend_stored(module, query, stored, keys, values, attention_mask, **kwargs)
 

@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 
 
+def newest_causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """bool ``[1, 1, q, kv]``: the causal rule of the newest ``q_len`` of ``kv_len`` tokens (SDPA's
+    ``is_causal`` aligns the diagonal top-left, which is this rule only when ``q_len == kv_len``)."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)[None, None]
+
+
 def additive_mask(attention_mask, q_len: int, kv_len: int, device) -> torch.Tensor:
     """float32 ``[B|1, H|1, q, kv]``: 0 where a query may attend, -inf elsewhere. ``None`` is the
     causal rule of the newest ``q_len`` tokens; a bool mask is True where attended; a float mask is

@@ -100,3 +100,38 @@ def test_importing_kvbench_registers_no_attention_function():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[-2] == "[False, False] [True, True]"
+
+
+def test_the_plain_causal_mask_is_left_to_the_attention():
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    from kvbench.cache.attention import kvbench_mask
+
+    plain = dict(batch_size=1, q_length=2, kv_length=10, q_offset=8, kv_offset=0, attention_mask=None)
+    assert kvbench_mask(**plain) is None
+    padded = {**plain, "attention_mask": torch.tensor([[0, 0, *[1] * 8]], dtype=torch.bool)}
+    sliding = {**plain, "mask_function": sliding_window_causal_mask_function(4), "local_size": 4}
+    static = {**plain, "kv_length": 16}  # keys beyond the queries: a preallocated cache
+    for kwargs in (padded, sliding, static, {**plain, "allow_is_causal_skip": False}):
+        got = kvbench_mask(**kwargs)
+        assert got is not None and torch.equal(got, sdpa_mask(**kwargs)), kwargs
+
+
+@pytest.mark.parametrize("kvbench_cache", [True, False])
+def test_a_multi_token_step_over_a_cache_is_causal_for_the_newest_tokens(kvbench_cache):
+    # without a mask (kvbench_mask), a 2-token forward after a prefill must still hide the second
+    # token from the first, over kvbench's cache and over transformers' own (plain SDPA)
+    from transformers import DynamicCache
+
+    model, shape = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits[:, -2:]
+        if kvbench_cache:
+            cache = build_method({"name": "fp16", "fp_dtype": "auto"}).new_cache(shape, torch.float32)
+            kwargs = cache.forward_kwargs()
+        else:
+            kwargs = {"cache": DynamicCache(), "use_cache": True}
+        model(input_ids=ids[:, :7], **kwargs)
+        got = model(input_ids=ids[:, 7:], **kwargs).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -699,11 +699,13 @@ void shift_scores_block(const ShiftRows& rows, int64_t t0, int64_t n, const floa
 template <int BITS>
 void shift_scores_rows(const ShiftRows& rows, int64_t t0, int64_t n, const float* q, int64_t M, int64_t D,
                        float* out, int64_t out_stride) {
-  // query rows in blocks of up to four: dot_rows4 keeps one chain per (row, token), as here
-  for (int64_t m = 0; m < M; m += 4) {
+  // query rows in blocks of up to four: dot_rows4 keeps one chain per (row, token), as here; six
+  // rows go as two blocks of three (four tokens times four rows would not fit the registers)
+  const int64_t step = M % 4 && M % 3 == 0 ? 3 : 4;
+  for (int64_t m = 0; m < M; m += step) {
     const float* qm = q + m * D;
     float* om = out + m * out_stride;
-    switch (std::min<int64_t>(4, M - m)) {
+    switch (std::min<int64_t>(step, M - m)) {
       case 1: shift_scores_block<BITS, 1>(rows, t0, n, qm, D, om, out_stride); break;
       case 2: shift_scores_block<BITS, 2>(rows, t0, n, qm, D, om, out_stride); break;
       case 3: shift_scores_block<BITS, 3>(rows, t0, n, qm, D, om, out_stride); break;
@@ -751,10 +753,10 @@ void shift_mix_span(const ShiftRows& rows, int64_t t0, int64_t n, const float* c
     for (int s = 0; s < SB; ++s) _mm256_storeu_ps(acc[m] + 8 * (j * per + s0 + s), a[m][s]);
 }
 
-template <int BITS, int MB>
+template <int BITS, int MB, int SB>
 void shift_mix_rows(const ShiftRows& rows, int64_t t0, int64_t n, const float* wsc, int64_t w_stride,
                     int64_t ng, int64_t group, int64_t D, float* acc) {
-  constexpr int per = 8 / BITS, SB = per < 4 ? per : 4;
+  constexpr int per = 8 / BITS;
   const int64_t spans = D * BITS / 64;
   const bool two = 2 * group == 64 / BITS;
   for (int64_t j = 0; j < spans; ++j) {
@@ -776,16 +778,29 @@ void shift_mix_rows(const ShiftRows& rows, int64_t t0, int64_t n, const float* w
   }
 }
 
+// Rows in blocks that keep twelve accumulators in registers: three rows of four code vectors, or,
+// for four to six rows of codes with eight or more per byte, six rows of two (each code vector is
+// then decoded once for all of them).
 template <int BITS>
 void shift_mix_bits(const ShiftRows& rows, int64_t t0, int64_t n, const float* wsc, int64_t w_stride, int64_t M,
                     int64_t ng, int64_t group, int64_t D, float* acc) {
+  constexpr int per = 8 / BITS, SB = per < 4 ? per : 4;
+  if constexpr (per >= 8) {
+    if (M >= 4 && M <= 6) {
+      switch (M) {
+        case 4: shift_mix_rows<BITS, 4, 2>(rows, t0, n, wsc, w_stride, ng, group, D, acc); return;
+        case 5: shift_mix_rows<BITS, 5, 2>(rows, t0, n, wsc, w_stride, ng, group, D, acc); return;
+        default: shift_mix_rows<BITS, 6, 2>(rows, t0, n, wsc, w_stride, ng, group, D, acc); return;
+      }
+    }
+  }
   for (int64_t m = 0; m < M; m += 3) {
     const float* wm = wsc + m * ng * w_stride;
     float* am = acc + m * D;
     switch (std::min<int64_t>(3, M - m)) {
-      case 1: shift_mix_rows<BITS, 1>(rows, t0, n, wm, w_stride, ng, group, D, am); break;
-      case 2: shift_mix_rows<BITS, 2>(rows, t0, n, wm, w_stride, ng, group, D, am); break;
-      default: shift_mix_rows<BITS, 3>(rows, t0, n, wm, w_stride, ng, group, D, am); break;
+      case 1: shift_mix_rows<BITS, 1, SB>(rows, t0, n, wm, w_stride, ng, group, D, am); break;
+      case 2: shift_mix_rows<BITS, 2, SB>(rows, t0, n, wm, w_stride, ng, group, D, am); break;
+      default: shift_mix_rows<BITS, 3, SB>(rows, t0, n, wm, w_stride, ng, group, D, am); break;
     }
   }
 }
@@ -1189,8 +1204,10 @@ at::Tensor token_mix(const at::Tensor& p, const Rows& proto, const std::vector<i
   const int64_t gw = R == D ? group : R;
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
     Rows rows = proto;
-    // the chunk's scales and zeros as float32 [kChunk, ng], and the scaled weights p_t s_t,g
-    std::vector<float> sc(kChunk * ng), zc(kChunk * ng), wsc(M * kChunk * ng), accp(M * R);
+    // the chunk's scales and zeros as float32 [kChunk, ng], then by group [ng, kChunk], and the
+    // scaled weights p_t s_t,g
+    std::vector<float> sc(kChunk * ng), zc(kChunk * ng), sg(kChunk * ng), zg(kChunk * ng), wsc(M * kChunk * ng),
+        accp(M * R);
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
       rows.bind(b, h);
@@ -1208,13 +1225,24 @@ at::Tensor token_mix(const at::Tensor& p, const Rows& proto, const std::vector<i
           for (int64_t u = 0; u < n; ++u) load_floats(view->at(b, h, t0 + u, 0), view->type, view->sd, ng, dst + u * ng);
         }
       }
+      for (int64_t u = 0; u < n; ++u)
+        for (int64_t gi = 0; gi < ng; ++gi) {
+          sg[gi * kChunk + u] = sc[u * ng + gi];
+          zg[gi * kChunk + u] = zc[u * ng + gi];
+        }
       for (int64_t m = 0; m < M; ++m) {
         for (int64_t gi = 0; gi < ng; ++gi) {
+          // contiguous runs, and the zero term summed in vector lanes: one serial chain of n
+          // multiply-adds per (row, group) would cost more than the codes' dot products
+          const float* pm = pb + m * T + t0;
+          const float* sgi = sg.data() + gi * kChunk;
+          const float* zgi = zg.data() + gi * kChunk;
+          float* wg = wsc.data() + (m * ng + gi) * kChunk;
           float zsum = 0.f;
+#pragma omp simd reduction(+ : zsum)
           for (int64_t u = 0; u < n; ++u) {
-            const float pm = pb[m * T + t0 + u];
-            wsc[(m * ng + gi) * kChunk + u] = pm * sc[u * ng + gi];
-            zsum += pm * zc[u * ng + gi];
+            wg[u] = pm[u] * sgi[u];
+            zsum += pm[u] * zgi[u];
           }
           // the zero term at the positions of the group's channels (with one group: the whole
           // row, padding included)
