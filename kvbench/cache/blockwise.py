@@ -113,10 +113,15 @@ def _positional_mask(positions: torch.Tensor, mask: torch.Tensor | None, rows: i
     if mask is None:
         zero = torch.zeros((), device=positions.device)
         return torch.where(hidden, -math.inf, zero)[:, :, None, :]
-    b, h, n = positions.shape
+    return _mask_columns(mask, positions.clamp(min=0), rows).masked_fill(hidden[:, :, None, :], -math.inf)
+
+
+def _mask_columns(mask: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[B, H_kv, rows, n]``: the columns ``index [B, H_kv, n]`` of ``mask [B or 1, 1 or H_kv,
+    rows, T + q]``, per kv head."""
+    b, h, n = index.shape
     m = mask.expand(max(b, mask.shape[0]), h, rows, mask.shape[-1])
-    cols = positions.clamp(min=0)[:, :, None, :].expand(m.shape[0], h, rows, n)
-    return m.gather(-1, cols).masked_fill(hidden[:, :, None, :], -math.inf)
+    return m.gather(-1, index[:, :, None, :].expand(m.shape[0], h, rows, n))
 
 
 def replaced_positions(replaced: torch.Tensor, stored: int) -> torch.Tensor:
@@ -138,12 +143,10 @@ def _replace_logits(
     b, h, _, total = logits.shape
     k = replaced.shape[-1]
     n = total - k
-    cols = replaced[:, :, None, :].expand(b, h, rows, k)
     if mask is not None:
         logits[..., :n] += mask[..., :n]
-        full = mask.expand(max(b, mask.shape[0]), h, rows, mask.shape[-1])
-        logits[..., n:] += full.gather(-1, cols)
-    return logits.scatter_(-1, cols, -math.inf)
+        logits[..., n:] += _mask_columns(mask, replaced, rows)
+    return logits.scatter_(-1, replaced[:, :, None, :].expand(b, h, rows, k), -math.inf)
 
 
 class LogitObserver:

@@ -16,11 +16,7 @@ def additive_mask(attention_mask, q_len: int, kv_len: int, device) -> torch.Tens
     causal rule of the newest ``q_len`` tokens; a bool mask is True where attended; a float mask is
     already additive."""
     if attention_mask is None:
-        past = kv_len - q_len
-        allowed = (
-            torch.arange(kv_len, device=device)[None, :] <= past + torch.arange(q_len, device=device)[:, None]
-        )
-        attention_mask = allowed[None, None]
+        attention_mask = newest_causal_mask(q_len, kv_len, device)
     attention_mask = attention_mask[..., :kv_len]
     if attention_mask.dtype == torch.bool:
         zero = torch.zeros((), device=device)
