@@ -4,6 +4,7 @@
     python -m kvbench.reproduce --dry-run                # the jobs, what is done, the estimated cost
     python -m kvbench.reproduce --only semkv_cliff kivi_gsm8k --threads 2
     python -m kvbench.reproduce --skip kivi_gsm8k --parallel 2
+    python -m kvbench.reproduce --profile strong         # the nodes' second-model variants (CPU)
     python -m kvbench.reproduce --profile paper --dry-run                 # GPU hours at the papers' sizes
     python -m kvbench.reproduce --profile paper --launcher slurm --override hydra.launcher.partition=gpu
 
@@ -36,6 +37,20 @@ interpolation on the experiment choice, which Hydra does not offer for an append
 write into the node's own output folder and analysis unit under the paper's model name, so the
 claims are evaluated on that model. A node without a paper variant fails under ``--profile paper``
 (one line naming the file to add).
+
+The second model (``--profile strong``). The claims the default model floors (FP16 scores 0 on
+GSM8K, so KIVI's GSM8K claims are "not testable here") and some whose direction the default model
+leaves open are run again on a stronger CPU model: ``conf/experiment/strong/NAME.yaml`` is a variant
+like the paper ones (``defaults: [/experiment/NAME, override /model: ..., _self_]``) that changes the
+model and the sizes. Only some nodes have one; ``--profile strong`` runs those and leaves the others
+out. Its runs write into the node's own output folder and archive under the second model's name,
+so the claims page gains that model's verdicts beside the default's. The cost is CPU minutes, the
+cost model scaled by ``(parameters / CPU_MODEL_PARAMETERS) ** CPU_MODEL_EXPONENT``: sublinear,
+because on two cores a small model's step is dominated by dispatch, not by its weights (fitted on
+the FP16 GSM8K pilots: Qwen2.5-Coder 0.5B ran 53 s per problem and 1.5B 87 s, 1.7x and 2.6x the
+default model's modelled 31 s, for 3.7x and 11.4x its parameters).
+``make reproduce`` runs the CPU profile only: archiving it replaces the default model's rows and
+keeps the second model's (``kvbench.analysis.archive.merge_models``).
 
 Dry run (``--dry-run``). Every job of every selected node, in Hydra's basic-sweeper order (the
 product of the node's ``hydra.sweeper.params`` and any ``--override`` sweep), each composed to find
@@ -97,9 +112,16 @@ from typing import Any
 from kvbench.paths import CONF_DIR, default_results
 from kvbench.results import format_table
 
-PROFILES = ("cpu", "paper")
+PROFILES = ("cpu", "strong", "paper")
 # The folder under conf/experiment holding each profile's variants; None: the node itself.
-VARIANT_FOLDER = {"cpu": None, "paper": "paper"}
+VARIANT_FOLDER = {"cpu": None, "strong": "strong", "paper": "paper"}
+# The machine each profile's cost is modelled for (minutes on this CPU, or GPU hours).
+PROFILE_DEVICE = {"cpu": "cpu", "strong": "cpu", "paper": "gpu"}
+# Profiles whose variants exist for some nodes only: the others are left out, not failed.
+PARTIAL_PROFILES = ("strong",)
+# The CPU cost model is fitted on the default model: other models scale by their parameters.
+CPU_MODEL_PARAMETERS = 1.35e8
+CPU_MODEL_EXPONENT = 0.4
 DEFAULT_RUNS = "results/runs"
 
 # Cost model constants (see the module docstring).
@@ -135,6 +157,22 @@ def select(nodes: Sequence[str], only: Sequence[str] | None, skip: Sequence[str]
             )
     chosen = [n for n in nodes if not only or n in only]
     return [n for n in chosen if n not in (skip or [])]
+
+
+def profile_nodes(
+    nodes: Sequence[str], profile: str, only: Sequence[str] | None, conf_dir: str | Path = CONF_DIR
+) -> list[str]:
+    """``nodes`` that ``profile`` runs: all of them, except under a profile whose variants exist for
+    some nodes only (``strong``), where a node without one is left out unless ``--only`` names it
+    (then it fails with the file to add)."""
+    folder = VARIANT_FOLDER[profile]
+    if profile not in PARTIAL_PROFILES or folder is None:
+        return list(nodes)
+    return [
+        n
+        for n in nodes
+        if (only and n in only) or (Path(conf_dir) / "experiment" / folder / f"{n}.yaml").is_file()
+    ]
 
 
 def config_name(node: str, profile: str, conf_dir: str | Path = CONF_DIR) -> str:
@@ -205,16 +243,17 @@ def method_cost(config: dict[str, Any], profile: str) -> float:
     from kvbench.methods import build_method
 
     method = build_method(config.get("method")).config
-    return method.cost_cpu if profile == "cpu" else method.cost_gpu
+    return method.cost_cpu if PROFILE_DEVICE[profile] == "cpu" else method.cost_gpu
 
 
 def modelled_seconds(config: dict[str, Any], profile: str) -> float:
     """Seconds per sample from the cost model (module docstring)."""
     work = sample_work(config)
     factor = work.factor * method_cost(config, profile)
-    if profile == "cpu":
-        return factor * (CPU_PREFILL_S_PER_KTOK * work.prompt / 1000 + CPU_STEP_S * work.steps)
     params, layers, width, kv_bytes = model_shape(config.get("model"))
+    if PROFILE_DEVICE[profile] == "cpu":
+        scale = (params / CPU_MODEL_PARAMETERS) ** CPU_MODEL_EXPONENT
+        return factor * scale * (CPU_PREFILL_S_PER_KTOK * work.prompt / 1000 + CPU_STEP_S * work.steps)
     prefill = (2 * params * work.prompt + 2 * layers * width * work.prompt**2) / GPU_FLOPS
     step = max(GPU_STEP_FLOOR_S, (2 * params + kv_bytes * work.context) / GPU_BYTES_PER_S)
     return factor * (prefill + work.steps * step)
@@ -330,7 +369,7 @@ class NodePlan:
 
     def estimate_s(self) -> float:
         """Seconds for what is left: the samples still to run, and a model load per unfinished run."""
-        overhead = CPU_RUN_OVERHEAD_S if self.profile == "cpu" else GPU_RUN_OVERHEAD_S
+        overhead = CPU_RUN_OVERHEAD_S if PROFILE_DEVICE[self.profile] == "cpu" else GPU_RUN_OVERHEAD_S
         left = [j for j in self.runs if not j.complete]
         return sum((j.samples - j.done) * j.seconds for j in left) + overhead * len(left)
 
@@ -436,15 +475,15 @@ def plan_node(
 
 
 def _cost(seconds: float, profile: str) -> str:
-    return f"{seconds / 60:.1f} min" if profile == "cpu" else f"{seconds / 3600:.2f} GPU h"
+    return f"{seconds / 60:.1f} min" if PROFILE_DEVICE[profile] == "cpu" else f"{seconds / 3600:.2f} GPU h"
 
 
 def _cost_column(profile: str) -> str:
-    return "est_min" if profile == "cpu" else "est_gpu_h"
+    return "est_min" if PROFILE_DEVICE[profile] == "cpu" else "est_gpu_h"
 
 
 def _cost_value(seconds: float, profile: str) -> float:
-    return round(seconds / 60, 1) if profile == "cpu" else round(seconds / 3600, 2)
+    return round(seconds / 60, 1) if PROFILE_DEVICE[profile] == "cpu" else round(seconds / 3600, 2)
 
 
 def format_jobs(plan: NodePlan) -> str:
@@ -496,7 +535,7 @@ def dry_run(plans: Sequence[NodePlan], say=print) -> None:
         f"{sum(p.todo for p in ok)} samples to run, about {_cost(total, profile)}"
         + (f"; {len(plans) - len(ok)} node(s) cannot run" if len(ok) < len(plans) else "")
     )
-    if profile == "cpu" and any(j.source == "model" for p in ok for j in p.runs):
+    if PROFILE_DEVICE[profile] == "cpu" and any(j.source == "model" for p in ok for j in p.runs):
         say("(modelled times are an idle machine's; runs recorded here beside other jobs took 3-10x longer)")
 
 
@@ -557,7 +596,9 @@ def _run_node(plan: NodePlan, args, env: dict[str, str], log: Path | None, say) 
 
 def reproduce(args, say=print) -> int:
     """Run the selected nodes, then archive and regenerate; print the summary; the exit status."""
-    nodes = select(discover(args.conf_dir), args.only, args.skip)
+    nodes = profile_nodes(
+        select(discover(args.conf_dir), args.only, args.skip), args.profile, args.only, args.conf_dir
+    )
     overrides = args.override or []
     plans = []
     for node in nodes:
@@ -660,6 +701,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ReproduceError(f"--parallel={args.parallel}: a positive integer")
         if args.dry_run:
             nodes = select(discover(args.conf_dir), args.only, args.skip)
+            nodes = profile_nodes(nodes, args.profile, args.only, args.conf_dir)
             results = args.results or default_results()
             plans = [
                 plan_node(n, args.profile, args.override or [], conf_dir=args.conf_dir, results=results)

@@ -52,18 +52,24 @@ def label(method: str, bits: float | None) -> str:
 
 
 def _write_run(
-    root: Path, method: str, bits: float | None, seed: int, samples: list[str], extra: dict[str, Any]
+    root: Path,
+    method: str,
+    bits: float | None,
+    seed: int,
+    samples: list[str],
+    extra: dict[str, Any],
+    model: str = "tiny",
 ) -> tuple[Path, str]:
     config = {
         "task": {"name": "niah", "max_new_tokens": MAX_NEW_TOKENS, **extra},
-        "model": {"name": "tiny"},
+        "model": {"name": model},
         "method": None if bits is None else {"name": method, "bits": bits},
         "bits": bits,
         "seed": seed,
         "analysis": PLAN,
     }
     rid = run_id(config)
-    folder = RunFolder(root / "niah" / "tiny" / label(method, bits) / f"seed{seed}-{rid}")
+    folder = RunFolder(root / "niah" / model / label(method, bits) / f"seed{seed}-{rid}")
     folder.write_config({**config, "run_id": rid})
     runaway = method == "uniform" and bits == 2
     for i, sample in enumerate(samples):
@@ -73,7 +79,7 @@ def _write_run(
                 "sample_id": sample,
                 "seed": seed,
                 "task": "niah",
-                "model": "tiny",
+                "model": model,
                 "method": label(method, bits),
                 "bits": bits,
                 "context_length": 1024 * (1 + i % 3),
@@ -92,19 +98,19 @@ def _write_run(
     return folder.path, rid
 
 
-def write_runs(root: str | Path) -> Path:
-    """Write the synthetic run set under ``root``; returns ``root``."""
+def write_runs(root: str | Path, model: str = "tiny") -> Path:
+    """Write the synthetic run set of ``model`` under ``root``; returns ``root``."""
     root = Path(root)
     # A partial run of an older config of uniform-4b: fewer rows, so load_frame must leave it out.
-    _write_run(root, "uniform", 4, 0, SAMPLES[:3], {"old_knob": 1})
+    _write_run(root, "uniform", 4, 0, SAMPLES[:3], {"old_knob": 1}, model)
     for method, bits in CONFIGS:
         for seed in SEEDS:
-            path, rid = _write_run(root, method, bits, seed, SAMPLES, {})
+            path, rid = _write_run(root, method, bits, seed, SAMPLES, {}, model)
             RunFolder(path).write_metrics(
                 {
                     "run_id": rid,
                     "task": "niah",
-                    "model": "tiny",
+                    "model": model,
                     "method": label(method, bits),
                     "seed": seed,
                     "primary_metric": "score",

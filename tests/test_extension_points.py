@@ -124,15 +124,19 @@ def _job(**task):
 def test_a_new_task_and_method_are_priced_from_their_declarations(toyext):
     assert reproduce.samples_per_job(_job()) == 5
     assert reproduce.samples_per_job(_job(limit=3)) == 3
-    # CPU: task factor 2 x method cost 7 x (5 s per 1000 prompt tokens + 0.1 s per step)
-    assert reproduce.modelled_seconds(_job(), "cpu") == pytest.approx(2 * 7 * (5 * 100 / 1000 + 0.1 * 10))
+    # CPU: task factor 2 x method cost 7 x the model's size against the default's (1e9 / 1.35e8
+    # parameters, to the 0.4) x (5 s per 1000 prompt tokens + 0.1 s per step)
+    size = (1e9 / 1.35e8) ** 0.4
+    assert reproduce.modelled_seconds(_job(), "cpu") == pytest.approx(
+        2 * 7 * size * (5 * 100 / 1000 + 0.1 * 10)
+    )
     # GPU: the model node's shape (KV: 2 x 10 layers x 2 heads x 50 dims x 2 bytes per token)
     prefill = (2 * 1e9 * 100 + 2 * 10 * 1000 * 100**2) / 150e12
     step = max(0.025, (2 * 1e9 + 4000 * 100) / 1.5e12)
     assert reproduce.modelled_seconds(_job(), "paper") == pytest.approx(2 * 3 * (prefill + 10 * step))
     # the FP16 baseline is the unit of every method's cost
     fp16 = {**_job(), "method": None}
-    assert reproduce.modelled_seconds(fp16, "cpu") == pytest.approx(2 * 1 * (0.5 + 1.0))
+    assert reproduce.modelled_seconds(fp16, "cpu") == pytest.approx(2 * 1 * size * (0.5 + 1.0))
 
 
 def test_a_new_task_and_method_get_id_neutral_defaults_from_field_metadata(toyext):

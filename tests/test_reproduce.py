@@ -260,3 +260,38 @@ def test_unknown_node_is_one_line_listing_the_known_ones(workdir, capsys, flag):
     assert "\n" not in err
     assert err.startswith(f"kvbench.reproduce: error: {flag}: unknown node nope; known nodes: ")
     assert all(n in err for n in NODES)
+
+
+STRONG = sorted(p.stem for p in (Path(CONF_DIR) / "experiment" / "strong").glob("*.yaml"))
+
+
+def test_strong_profile_runs_only_the_nodes_with_a_second_model_variant(workdir, capsys):
+    assert STRONG == ["kivi_group_ablation", "kivi_gsm8k"]
+    assert reproduce.profile_nodes(reproduce.discover(), "strong", None) == STRONG
+    assert reproduce.profile_nodes(["semkv_cliff"], "cpu", None) == ["semkv_cliff"]
+    # a node named by --only stays, and fails with the file to add
+    assert reproduce.profile_nodes(["semkv_cliff"], "strong", ["semkv_cliff"]) == ["semkv_cliff"]
+    with pytest.raises(ValueError, match="add conf/experiment/strong/semkv_cliff.yaml"):
+        reproduce.config_name("semkv_cliff", "strong")
+    assert reproduce.main(["--dry-run", "--profile", "strong", "--results", str(workdir / "results")]) == 0
+    out = capsys.readouterr().out
+    assert "+experiment=strong/kivi_gsm8k" in out and "+experiment=strong/kivi_group_ablation" in out
+    assert "semkv_cliff" not in out and "est_min" in out
+
+
+@pytest.mark.parametrize("node", STRONG)
+def test_strong_variant_keeps_the_node_and_changes_the_model(node):
+    name = reproduce.config_name(node, "strong")
+    check_experiment(name)
+    params = sweep_values(name)
+    first = {k: v[0] for k, v in params.items()}
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = to_plain(
+            compose("config", overrides=[f"+experiment={name}", *(f"{k}={v}" for k, v in first.items())])
+        )
+    assert cfg["model"]["name"] == "qwen2.5-coder-1.5b-instruct"
+    assert cfg["analysis"]["name"] == node and cfg["output"]["root"] == f"results/runs/experiments/{node}"
+    assert cfg["analysis"]["n"] == cfg["task"]["limit"]
+    # the cost model scales with the model: the 1.5B's modelled sample costs more than the default's
+    params_15, *_ = reproduce.model_shape(cfg["model"])
+    assert params_15 / reproduce.CPU_MODEL_PARAMETERS > 10

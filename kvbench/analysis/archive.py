@@ -263,14 +263,68 @@ def read_archive(folder: str | Path) -> pd.DataFrame:
     return frame
 
 
+# The order load_frame gives an experiment's rows (the key is the same whatever the runs root holds).
+_ROW_ORDER = ["task", "model", "method", "seed", "sample_id"]
+
+
+def _model_rows(frame: pd.DataFrame, models: set[str]) -> pd.DataFrame:
+    """The rows of ``frame`` on ``models``, with only the columns they fill and the attributes of
+    their own run folders (as ``split`` keeps them)."""
+    part = frame[frame["model"].astype(str).isin(models)].reset_index(drop=True)
+    part = part[[c for c in part.columns if not part[c].isna().all() or c in _ALWAYS]]
+    folders = set(part["folder"]) if "folder" in part else set()
+    parents = {str(Path(f).parent) for f in folders}
+    part.attrs = {
+        "superseded": [f for f in frame.attrs.get("superseded", []) if str(Path(f).parent) in parents],
+        "duplicate_rows": {f: n for f, n in frame.attrs.get("duplicate_rows", {}).items() if f in folders},
+    }
+    return part
+
+
+def merge_models(new: pd.DataFrame, old: pd.DataFrame) -> pd.DataFrame:
+    """One experiment's archive frame after new runs: ``new``'s rows for every model it holds, and
+    ``old``'s rows for the models it does not (an archive is replaced model by model, so archiving
+    the runs of one model keeps the other models' stored results). The parts are joined in model
+    order and the rows sorted as ``load_frame`` sorts them, so the frame is the same whichever
+    model's runs came last: the one a runs root holding both would give."""
+    if old is None or old.empty or "model" not in old or "model" not in new:
+        return new
+    kept = set(map(str, old["model"].dropna().unique())) - set(map(str, new["model"].dropna().unique()))
+    if not kept:
+        return new
+    parts = [(str(m), _model_rows(new, {str(m)})) for m in new["model"].dropna().unique()]
+    parts += [(m, _model_rows(old, {m})) for m in kept]
+    parts.sort(key=lambda p: p[0])
+    frame = pd.concat([p for _, p in parts], ignore_index=True, sort=False)
+    frame = frame.sort_values(_ROW_ORDER, kind="stable").reset_index(drop=True)
+    frame.attrs = {
+        "superseded": sorted(f for _, p in parts for f in p.attrs["superseded"]),
+        "duplicate_rows": dict(
+            sorted((f, n) for _, p in parts for f, n in p.attrs["duplicate_rows"].items())
+        ),
+    }
+    return frame
+
+
 def write_archives(runs_root: str | Path, results: str | Path) -> dict[str, Path]:
     """Every run under ``runs_root`` into one archive per experiment under ``results``; returns
-    ``{experiment: archive path}`` (empty when there are no runs)."""
+    ``{experiment: archive path}`` (empty when there are no runs). Within an experiment the runs
+    replace the archive's rows of their models only: another model's stored rows are kept
+    (``merge_models``), so a clean clone that reruns the default model's nodes keeps the second
+    model's column."""
     runs_root = Path(runs_root)
     frame = normalize(load_frame(runs_root), runs_root)
     if Path(results).is_dir():
         atomic.remove_stale_temporaries(results)
-    return {name: write_archive(part, Path(results) / name) for name, part in split(frame).items()}
+    written = {}
+    for name, part in split(frame).items():
+        folder = Path(results) / name
+        try:
+            old = read_archive(folder) if (folder / ARCHIVE).is_file() else None
+        except ArchiveError:
+            old = None  # a damaged archive holds nothing to keep: rewritten from the runs alone
+        written[name] = write_archive(merge_models(part, old), folder)
+    return written
 
 
 def load_archives(results: str | Path) -> dict[str, pd.DataFrame]:

@@ -1150,3 +1150,28 @@ def claims_table(results: list[ClaimResult]) -> pd.DataFrame:
 def verdict_counts(results: list[ClaimResult]) -> str:
     counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
     return "; ".join(f"{v}: {n}" for v, n in counts.items())
+
+
+def models_table(by_model: Mapping[str, list[ClaimResult]], first: str = DEFAULT_MODEL) -> pd.DataFrame:
+    """One row per claim, one verdict column per model (``first`` leftmost, then by name), each
+    verdict with its pairs ``n`` where the model's runs gave one: the claims page's columns side
+    by side. A model only enters when some claim has runs on it (a verdict other than ``not run``
+    or ``not testable here``), so a model the archives do not hold adds no empty column."""
+    models = sorted(by_model, key=lambda m: (m != first, m))
+    models = [
+        m
+        for m in models
+        if m == first or any(r.verdict not in ("not run", "not testable here") for r in by_model[m])
+    ]
+    rows: dict[str, dict[str, Any]] = {}
+    for model in models:
+        for r in by_model[model]:
+            row = rows.setdefault(
+                r.claim.id,
+                {"id": r.claim.id, "paper": r.claim.paper, "published": str(r.claim.published)},
+            )
+            shown = r.shown_verdict
+            row[model] = (
+                f"{shown} (n={r.n})" if r.n and r.verdict not in ("not run", "not testable here") else shown
+            )
+    return pd.DataFrame(list(rows.values()), columns=["id", "paper", "published", *models], dtype=object)

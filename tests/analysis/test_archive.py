@@ -209,3 +209,47 @@ def test_committed_results_regenerate_from_the_committed_archives(tmp_path):
     assert readme[begin : end + len(report.README_END)] + "\n" == block, (
         "README results differ; run make results"
     )
+
+
+def test_archiving_one_model_keeps_the_other_models_rows(tmp_path):
+    """An experiment's archive is replaced model by model: archiving a second model's runs keeps the
+    first model's rows, and archiving the first model again (a clean clone rerunning the default
+    model's nodes) keeps the second's. Either order gives the bytes of one runs root holding both."""
+    import shutil
+
+    first, second, both = tmp_path / "first", tmp_path / "second", tmp_path / "both"
+    write_runs(first, model="tiny")
+    write_runs(second, model="other")
+    shutil.copytree(first, both)
+    shutil.copytree(second, both, dirs_exist_ok=True)
+    write_archives(both, tmp_path / "joint")
+    joint = (tmp_path / "joint" / "synthetic_cliff" / ARCHIVE).read_bytes()
+    assert set(read_archive(tmp_path / "joint" / "synthetic_cliff")["model"]) == {"tiny", "other"}
+
+    for order in ((first, second), (second, first), (first, second, first)):
+        results = tmp_path / f"merged-{len(order)}-{order[0].name}"
+        for runs in order:
+            write_archives(runs, results)
+        frame = read_archive(results / "synthetic_cliff")
+        assert (results / "synthetic_cliff" / ARCHIVE).read_bytes() == joint, [r.name for r in order]
+        assert frame.groupby("model").size().to_dict() == {"other": 96, "tiny": 96}
+        # each model's superseded partial run stays listed
+        assert sorted(Path(f).parts[1] for f in frame.attrs["superseded"]) == ["other", "tiny"]
+
+
+def test_archiving_a_model_again_replaces_its_rows(tmp_path):
+    """The runs of a model that the archive holds replace that model's rows: nothing of its old rows
+    is kept beside them."""
+    runs = write_runs(tmp_path / "runs")
+    results = tmp_path / "results"
+    write_archives(runs, results)
+    before = read_archive(results / "synthetic_cliff")
+    sub = tmp_path / "fewer"
+    kept = [p for p in (runs / "niah" / "tiny").iterdir() if p.name.startswith("fp16")]
+    for path in kept:
+        import shutil
+
+        shutil.copytree(path, sub / "niah" / "tiny" / path.name)
+    write_archives(sub, results)
+    after = read_archive(results / "synthetic_cliff")
+    assert set(after["method"]) == {"fp16"} < set(before["method"])

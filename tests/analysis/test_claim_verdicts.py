@@ -8,6 +8,7 @@ and, for a proxy, the task-level claim."""
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 from synthetic_claims import EXPERIMENT, NOISE, write_claim_runs, write_paper
 
@@ -162,3 +163,39 @@ def test_the_page_counts_every_kind(page):
         "reproduced: 3; evidence against: 1; no effect at this power: 1; inconclusive: 1; "
         "premise not met here: 1; not run: 0; not testable here: 2"
     ) in text
+
+
+def test_a_second_model_gains_its_column(tmp_path):
+    """The claims page's models side by side: a second model's runs give it a verdict column (the
+    default first), each verdict with its pairs; a model the archives hold no run of adds none."""
+    from kvbench.analysis.claims import models_table
+
+    frames = load_archives(_archived(tmp_path))
+    (frame,) = frames.values()
+    # the second model: the same runs with the channel and token arms' scores swapped
+    other = frame.copy()
+    other["model"] = "big"
+    axis = other["method_config"].map(lambda c: (c or {}).get("key_axis"))
+    chan = other[axis == "channel"].sort_values(["seed", "sample_id"])
+    tok = other[axis == "token"].sort_values(["seed", "sample_id"])
+    other.loc[chan.index, "score"] = tok["score"].to_numpy()
+    other.loc[tok.index, "score"] = chan["score"].to_numpy()
+    both = {EXPERIMENT: pd.concat([frame, other], ignore_index=True)}
+    claims = write_paper(tmp_path / "papers", CLAIMS[:2], paper="semkv")
+    by_model = report.claims_results(both, claims, ["tiny", "big", "absent"], n_resamples=300, conf_dir=None)
+    table = models_table(by_model, first="tiny")
+    assert list(table.columns) == ["id", "paper", "published", "tiny", "big"]
+    rows = table.set_index("id")
+    assert rows.loc["yes", "tiny"].startswith("reproduced (n=")
+    assert rows.loc["yes", "big"].startswith("evidence against (n=")
+    page = report.models_markdown(by_model)
+    # neither is the default model here: by name
+    assert "| id | paper | published | big | tiny |" in page
+    assert "| yes | semkv | 1.0 | evidence against (n=24) | reproduced (n=24) |" in page
+    assert "absent" not in page
+
+
+def _archived(tmp_path):
+    results = tmp_path / "results"
+    write_archives(write_claim_runs(tmp_path / "runs"), results)
+    return results

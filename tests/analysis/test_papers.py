@@ -344,9 +344,15 @@ def _composed(node: str) -> pd.DataFrame:
 
 
 def _configurations(node: str) -> pd.DataFrame:
-    """What the node runs at CPU size and in its paper setting (conf/experiment/paper/NODE.yaml):
-    an arm that fits only the paper's model (KIVI's G=128 needs head_dim 128) is in the latter."""
-    names = [node] + [f"paper/{node}" for _ in (Path(CONF_DIR) / "experiment" / "paper").glob(f"{node}.yaml")]
+    """What the node runs at CPU size and in its variants (conf/experiment/{paper,strong}/NODE.yaml):
+    an arm that fits only a larger model (KIVI's G=128 needs head_dim 128, the short-window arm
+    runs on the second model only) is in a variant."""
+    variants = [
+        folder
+        for folder in ("paper", "strong")
+        if (Path(CONF_DIR) / "experiment" / folder / f"{node}.yaml").is_file()
+    ]
+    names = [node] + [f"{folder}/{node}" for folder in variants]
     frame = pd.concat([_composed(name) for name in names])
     return frame.drop_duplicates(subset="method").reset_index(drop=True)
 
