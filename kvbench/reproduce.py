@@ -46,9 +46,10 @@ model and the sizes. Only some nodes have one; ``--profile strong`` runs those a
 out. Its runs write into the node's own output folder and archive under the second model's name,
 so the claims page gains that model's verdicts beside the default's. The cost is CPU minutes, the
 cost model scaled by ``(parameters / CPU_MODEL_PARAMETERS) ** CPU_MODEL_EXPONENT``: sublinear,
-because on two cores a small model's step is dominated by dispatch, not by its weights (fitted on
-the FP16 GSM8K pilots: Qwen2.5-Coder 0.5B ran 53 s per problem and 1.5B 87 s, 1.7x and 2.6x the
-default model's modelled 31 s, for 3.7x and 11.4x its parameters).
+because on two cores a small model's step is dominated by dispatch, not by its weights. The
+exponent is fitted to the FP16 GSM8K pilots, against the model's own estimate for the default
+model: it models 52 s and 82 s per problem for Qwen2.5-Coder 0.5B and 1.5B, which ran 53 s and
+87 s (3.7x and 11.4x the default model's parameters).
 ``make reproduce`` runs the CPU profile only: archiving it replaces the default model's rows and
 keeps the second model's (``kvbench.analysis.archive.merge_models``).
 

@@ -266,7 +266,7 @@ STRONG = sorted(p.stem for p in (Path(CONF_DIR) / "experiment" / "strong").glob(
 
 
 def test_strong_profile_runs_only_the_nodes_with_a_second_model_variant(workdir, capsys):
-    assert STRONG == ["kivi_group_ablation", "kivi_gsm8k"]
+    assert STRONG == ["kivi_group_ablation", "kivi_gsm8k", "ott_vs_kivi"]
     assert reproduce.profile_nodes(reproduce.discover(), "strong", None) == STRONG
     assert reproduce.profile_nodes(["semkv_cliff"], "cpu", None) == ["semkv_cliff"]
     # a node named by --only stays, and fails with the file to add
@@ -291,7 +291,9 @@ def test_strong_variant_keeps_the_node_and_changes_the_model(node):
         )
     assert cfg["model"]["name"] == "qwen2.5-coder-1.5b-instruct"
     assert cfg["analysis"]["name"] == node and cfg["output"]["root"] == f"results/runs/experiments/{node}"
-    assert cfg["analysis"]["n"] == cfg["task"]["limit"]
+    task = cfg["task"]
+    # a NIAH grid's sample count is its lengths x depths; other tasks take the node's limit
+    assert cfg["analysis"]["n"] == (task.get("limit") or task["num_lengths"] * task["num_depths"])
     # the cost model scales with the model: the 1.5B's modelled sample costs more than the default's
     params_15, *_ = reproduce.model_shape(cfg["model"])
     assert params_15 / reproduce.CPU_MODEL_PARAMETERS > 10
