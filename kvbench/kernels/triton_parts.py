@@ -452,10 +452,31 @@ def _launch(part: TokenSource, x: torch.Tensor, mix: bool) -> torch.Tensor:
 
 
 class TritonReader:
-    """Whole-part scores and mixes through :func:`_part_kernel` (module docstring: what it reads)."""
+    """Whole-part scores and mixes through :func:`_part_kernel` (module docstring: what it reads).
 
-    def scores(self, part: TokenSource, query: torch.Tensor) -> torch.Tensor:
+    ``strict`` (``backend=triton``): a part the reader does not cover raises, since the method was
+    admitted on the promise that every part is read by Triton. Not strict (``backend=auto`` on a
+    CUDA device, where methods without Triton coverage also run): such a part returns None and its
+    torch reference runs, as the compiled CPU reader does, and the run records both backends."""
+
+    def __init__(self, strict: bool = True):
+        self.strict = strict
+
+    def _declined(self, part: TokenSource) -> bool:
+        if covers(part):
+            return False
+        if self.strict:
+            raise NotImplementedError(
+                f"backend=triton reads no {type(part).__name__} part of this layout; the method "
+                "should have been refused on triton"
+            )
+        note_backend("torch")
+        return True
+
+    def scores(self, part: TokenSource, query: torch.Tensor) -> torch.Tensor | None:
         """``query [B, H_kv, M, D]`` float32 -> logits ``[B, H_kv, M, T]`` float32."""
+        if self._declined(part):
+            return None
         out = self._scores(part, query.float())
         note_backend("triton")
         return out
@@ -478,8 +499,10 @@ class TritonReader:
             return _correct_scores(out, part.inner, query, part)
         return out
 
-    def mix(self, part: TokenSource, weights: torch.Tensor) -> torch.Tensor:
+    def mix(self, part: TokenSource, weights: torch.Tensor) -> torch.Tensor | None:
         """``weights [B, H_kv, M, T]`` float32 -> ``[B, H_kv, M, D]`` float32."""
+        if self._declined(part):
+            return None
         out = self._mix(part, weights.float())
         note_backend("triton")
         return out
