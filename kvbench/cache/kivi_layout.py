@@ -75,8 +75,14 @@ class KIVILayer(CompositeLayer):
         if len(self.v_res) > self.residual:
             self.vq.append(self.v_res.pop_front(len(self.v_res) - self.residual))
 
+    # Whether decode steps on backend triton take the fused kernel, which reads exactly the four
+    # parts above; a subclass that stores more (OTT's outlier pools) sets False and reads every part
+    # through the layer's part reader instead.
+    fused_decode = True
+
     def update(self, key_states, value_states, *args, **kwargs):
-        if self.backend != "triton" or key_states.shape[-2] > 2 or not self.num_tokens:
+        fused = self.fused_decode and self.backend == "triton"
+        if not fused or key_states.shape[-2] > 2 or not self.num_tokens:
             self._before = None
             return super().update(key_states, value_states, *args, **kwargs)
         # Views of storage that appends never overwrite: these references stay valid.
@@ -103,8 +109,10 @@ class KIVILayer(CompositeLayer):
             keys = cat_tokens(kq.dequantize(d) if kq else None, k_res, keys).to(query.dtype)
             values = cat_tokens(vq.dequantize(d) if vq else None, v_res, values).to(query.dtype)
             return super().attend(module, query, keys, values, attention_mask, **kwargs)
+        from kvbench.kernels.cpu import note_backend
         from kvbench.kernels.decode_attention import fused_decode_attention
 
+        note_backend("triton")
         scaling = kwargs.get("scaling") or module.scaling
         out = fused_decode_attention(
             query,
