@@ -109,14 +109,17 @@ def _decode_rows(
     HAS_ZERO: tl.constexpr,
     S_BF16: tl.constexpr,
     Z_BF16: tl.constexpr,
-    TG: tl.constexpr,
-    CG: tl.constexpr,
+    TG_S: tl.constexpr,
+    CG_S: tl.constexpr,
+    TG_Z: tl.constexpr,
+    CG_Z: tl.constexpr,
 ):
     """float32 ``[BLOCK_N, BLOCK_D]`` rows ``tok`` at channels ``chan`` of one (batch, kv head),
     0 where a row is not ``live`` or a channel is past ``D``. Pointers are already offset to the
     head. KIND 0: float rows (token stride ``s_dt``); KIND 1: packed codes (row stride ``s_dt``)
-    mapped through the codebook (HAS_TABLE) or taken as numbers, then ``* scale + zero`` with the
-    parameters at ``(tok // TG) * s_t + (chan // CG) * s_d`` (stride 0 on a broadcast axis)."""
+    mapped through the codebook (HAS_TABLE) or taken as numbers, then ``* scale + zero`` with each
+    parameter at ``(tok // TG) * s_t + (chan // CG) * s_d`` (its own TG/CG; stride 0 on a broadcast
+    axis)."""
     mask = live[:, None] & (chan < D)[None, :]
     if KIND == 0:
         return _load_f32(data_ptr, tok[:, None] * s_dt + chan[None, :], mask, X_BF16)
@@ -126,10 +129,10 @@ def _decode_rows(
     else:
         x = codes.to(tl.float32)
     if HAS_SCALE:
-        offs = (tok // TG)[:, None] * s_st + (chan // CG)[None, :] * s_sd
+        offs = (tok // TG_S)[:, None] * s_st + (chan // CG_S)[None, :] * s_sd
         x = x * _load_f32(scale_ptr, offs, mask, S_BF16)
     if HAS_ZERO:
-        offs = (tok // TG)[:, None] * s_zt + (chan // CG)[None, :] * s_zd
+        offs = (tok // TG_Z)[:, None] * s_zt + (chan // CG_Z)[None, :] * s_zd
         x = x + _load_f32(zero_ptr, offs, mask, Z_BF16)
     return x
 
@@ -164,8 +167,10 @@ def _part_rows(
     HAS_ZERO: tl.constexpr,
     S_BF16: tl.constexpr,
     Z_BF16: tl.constexpr,
-    TG: tl.constexpr,
-    CG: tl.constexpr,
+    TG_S: tl.constexpr,
+    CG_S: tl.constexpr,
+    TG_Z: tl.constexpr,
+    CG_Z: tl.constexpr,
     HAS_ROPE: tl.constexpr,
 ):
     """:func:`_decode_rows`, rotated to positions ``first_position + tok`` when HAS_ROPE:
@@ -173,15 +178,16 @@ def _part_rows(
     (:func:`kvbench.quant.rope.rotate`); the partner channels are decoded a second time."""
     x = _decode_rows(
         data_ptr, s_dt, table_ptr, scale_ptr, s_st, s_sd, zero_ptr, s_zt, s_zd, tok, chan, live,
-        D, KIND, X_BF16, LEVELS, CHUNK, WORD, BITS, HAS_TABLE, HAS_SCALE, HAS_ZERO, S_BF16, Z_BF16, TG, CG,
+        D, KIND, X_BF16, LEVELS, CHUNK, WORD, BITS, HAS_TABLE, HAS_SCALE, HAS_ZERO, S_BF16, Z_BF16,
+        TG_S, CG_S, TG_Z, CG_Z,
     )  # fmt: skip
     if HAS_ROPE:
         half = D // 2
         partner = tl.where(chan < half, chan + half, chan - half)
         y = _decode_rows(
             data_ptr, s_dt, table_ptr, scale_ptr, s_st, s_sd, zero_ptr, s_zt, s_zd, tok, partner, live,
-            D, KIND, X_BF16, LEVELS, CHUNK, WORD, BITS, HAS_TABLE, HAS_SCALE, HAS_ZERO, S_BF16, Z_BF16, TG,
-            CG,
+            D, KIND, X_BF16, LEVELS, CHUNK, WORD, BITS, HAS_TABLE, HAS_SCALE, HAS_ZERO, S_BF16, Z_BF16, TG_S,
+            CG_S, TG_Z, CG_Z,
         )  # fmt: skip
         mask = live[:, None] & (chan < D)[None, :]
         at = (first_position + tok)[:, None] * s_cos + chan[None, :]
@@ -235,8 +241,10 @@ def _part_kernel(
     HAS_ZERO: tl.constexpr,
     S_BF16: tl.constexpr,
     Z_BF16: tl.constexpr,
-    TG: tl.constexpr,
-    CG: tl.constexpr,
+    TG_S: tl.constexpr,
+    CG_S: tl.constexpr,
+    TG_Z: tl.constexpr,
+    CG_Z: tl.constexpr,
     HAS_ROPE: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -275,8 +283,8 @@ def _part_kernel(
         x = _part_rows(
             data_ptr, s_dt, table_ptr, scale_ptr, s_st, s_sd, zero_ptr, s_zt, s_zd, cos_ptr, sin_ptr, s_cos,
             first_position, tok, chan, live,
-            D, KIND, X_BF16, LEVELS, CHUNK, WORD, BITS, HAS_TABLE, HAS_SCALE, HAS_ZERO, S_BF16, Z_BF16, TG,
-            CG, HAS_ROPE,
+            D, KIND, X_BF16, LEVELS, CHUNK, WORD, BITS, HAS_TABLE, HAS_SCALE, HAS_ZERO, S_BF16, Z_BF16, TG_S,
+            CG_S, TG_Z, CG_Z, HAS_ROPE,
         )  # fmt: skip
         tile = row_ok[:, None] & live[None, :]
         if MIX:
@@ -345,9 +353,6 @@ def _codes_args(part, table, scale, zero, d: int, dummy) -> tuple[list, dict]:
     b, h, t, _ = codes.shape
     s_args, s = _param_args(scale, b, h, t, d, dummy)
     z_args, z = _param_args(zero, b, h, t, d, dummy)
-    if s["has"] and z["has"] and (s["rows"], s["cols"]) != (z["rows"], z["cols"]):
-        raise NotImplementedError("scale and zero grouped differently")
-    shape = s if s["has"] else z
     chunk, word = chunk_layout(part.levels)
     levels = part.levels
     args = [codes, *_bcast_strides(codes, (b, h)), codes.stride(2), table if table is not None else dummy]
@@ -356,7 +361,7 @@ def _codes_args(part, table, scale, zero, d: int, dummy) -> tuple[list, dict]:
         KIND=1, X_BF16=False, LEVELS=levels, CHUNK=chunk, WORD=word,
         BITS=levels.bit_length() - 1 if levels & (levels - 1) == 0 else 0,
         HAS_TABLE=table is not None, HAS_SCALE=s["has"], HAS_ZERO=z["has"], S_BF16=s["bf16"],
-        Z_BF16=z["bf16"], TG=shape["rows"], CG=shape["cols"],
+        Z_BF16=z["bf16"], TG_S=s["rows"], CG_S=s["cols"], TG_Z=z["rows"], CG_Z=z["cols"],
     )  # fmt: skip
     return args, consts
 
@@ -368,7 +373,7 @@ def _fp_args(data: torch.Tensor, dummy) -> tuple[list, dict]:
     args = [x, *_bcast_strides(x, (b, h)), x.stride(2), dummy, dummy, 0, 0, 0, 0, dummy, 0, 0, 0, 0]
     consts = dict(
         KIND=0, X_BF16=bf16, LEVELS=2, CHUNK=1, WORD=1, BITS=1, HAS_TABLE=False, HAS_SCALE=False,
-        HAS_ZERO=False, S_BF16=False, Z_BF16=False, TG=1, CG=1,
+        HAS_ZERO=False, S_BF16=False, Z_BF16=False, TG_S=1, CG_S=1, TG_Z=1, CG_Z=1,
     )  # fmt: skip
     return args, consts
 
