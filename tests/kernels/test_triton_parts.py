@@ -222,6 +222,8 @@ TRITON_METHODS = {
     "turboquant-split": {"name": "turboquant", "outlier_channels": 16},
     "kvquant": {},
     "intactkv": {"tokens": 4},
+    "semkv": {"chunk": 16},  # key_norm: scored at append, read through the parts
+    "semkv-turboquant": {"name": "semkv", "base": "turboquant", "chunk": 16},
 }
 # KVQuant's threshold outliers are appended by the torch reference on triton: one nonzero per layer
 SYNCS_LEFT = {"kvquant": "DenseSparseTokens.append counts its threshold outliers on the host"}
@@ -307,9 +309,17 @@ def test_ott_on_triton_reads_its_outlier_pools():
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["readkv", "semkv", "specache", "h2o"])
-def test_methods_without_triton_coverage_are_refused_in_one_line(name):
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"name": "readkv"},  # bit planes read by prefix: no Triton reader
+        {"name": "semkv", "metric": "attn_sum"},  # scores a reconstructed cache
+        {"name": "specache"},  # its own substitution path
+        {"name": "h2o"},  # eviction: its own attention
+    ],
+)
+def test_methods_without_triton_coverage_are_refused_in_one_line(node):
     with pytest.raises(ConfigError) as info:
-        build_method({"name": name, "backend": "triton"}, 2)
+        build_method({**node, "backend": "triton"}, 2.39 if node["name"] == "semkv" else 2)
     message = str(info.value)
     assert info.value.key == "method.backend" and "triton" in message and "\n" not in message
