@@ -431,6 +431,11 @@ def _launch(part: TokenSource, x: torch.Tensor, mix: bool) -> torch.Tensor:
         raise NotImplementedError("pre-RoPE keys need the layer's cos/sin table")
     b, h, m, _ = x.shape
     t = part.num_tokens
+    if t == 0:  # nothing stored in this part (the layouts below divide by the token count)
+        if not mix:
+            return x.new_zeros(b, h, m, 0)
+        d = inner.data.shape[-1] if type(inner) is FullPrecisionSource else inner.head_dim
+        return x.new_zeros(b, h, m, d)
     args, consts, d = _layout(inner, x)
     if rope is not None:
         cos, sin = (c.contiguous() for c in rope.table)
@@ -443,14 +448,11 @@ def _launch(part: TokenSource, x: torch.Tensor, mix: bool) -> torch.Tensor:
         out = torch.empty(b * h, plan.splits, m, d, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(b, h, m, t, dtype=torch.float32, device=x.device)
-    if t:
-        _part_kernel[(b * h, plan.splits, plan.row_tiles)](
-            x, x.stride(0), x.stride(1), x.stride(2), out, *args, *rope_args, t, m, plan.split_len,
-            H_KV=h, D=d, MIX=mix, HAS_ROPE=rope is not None, USE_DOT=plan.use_dot,
-            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, **consts,
-        )  # fmt: skip
-    elif mix:
-        out.zero_()
+    _part_kernel[(b * h, plan.splits, plan.row_tiles)](
+        x, x.stride(0), x.stride(1), x.stride(2), out, *args, *rope_args, t, m, plan.split_len,
+        H_KV=h, D=d, MIX=mix, HAS_ROPE=rope is not None, USE_DOT=plan.use_dot,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, **consts,
+    )  # fmt: skip
     if mix:
         return out.sum(dim=1).view(b, h, m, d)
     return out

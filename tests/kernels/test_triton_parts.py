@@ -323,3 +323,9 @@ def test_methods_without_triton_coverage_are_refused_in_one_line(node):
         build_method({**node, "backend": "triton"}, 2.39 if node["name"] == "semkv" else 2)
     message = str(info.value)
     assert info.value.key == "method.backend" and "triton" in message and "\n" not in message
+
+
+def test_an_empty_part_reads_as_nothing():
+    part = FullPrecisionSource(torch.randn(B, H, 0, 64))
+    assert READER.scores(part, torch.randn(B, H, 4, 64)).shape == (B, H, 4, 0)
+    assert torch.equal(READER.mix(part, torch.rand(B, H, 4, 0)), torch.zeros(B, H, 4, 64))
