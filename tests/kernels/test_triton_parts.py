@@ -329,3 +329,13 @@ def test_an_empty_part_reads_as_nothing():
     part = FullPrecisionSource(torch.randn(B, H, 0, 64))
     assert READER.scores(part, torch.randn(B, H, 4, 64)).shape == (B, H, 4, 0)
     assert torch.equal(READER.mix(part, torch.rand(B, H, 4, 0)), torch.zeros(B, H, 4, 64))
+
+
+@pytest.mark.parametrize("rows", [16, 80])
+def test_many_query_rows_take_tl_dot_in_row_tiles(rows):
+    """A prefill chunk's rows (16 and more) take tl.dot, 80 rows in two tiles of 64."""
+    x = keys_like(150, 64, 3)
+    codes, scale, zero = quantize_grouped(x, 3, "token", 32)
+    assert_matches(PerTokenAffineSource(pack(codes, 3), scale, zero, 3, 32, 64), 64, rows)
+    store = dense_sparse(5, 128, 90, fixed=False, seed=4)
+    assert_matches(store.source(), 128, rows)
