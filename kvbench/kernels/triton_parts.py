@@ -74,8 +74,10 @@ DOT_ROWS = 16
 MAX_BLOCK_M = 64
 # Elements of the [BLOCK_M, BLOCK_N, BLOCK_D] product tile of the tl.sum path on a GPU.
 GPU_SUM_TILE = 8192
-# Tokens per block under the interpreter: few, large program instances.
+# Tokens per block and token slices per head under the interpreter: few, large program instances
+# (tests lower the block and raise the slices to walk the GPU's multi-block, split-K paths).
 INTERPRETER_BLOCK_N = 512
+INTERPRETER_SPLITS = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,7 +407,7 @@ class _Plan:
         on_gpu = device.type == "cuda" and not interpreting()
         if not on_gpu:
             self.block_n = max(16, min(INTERPRETER_BLOCK_N, _pow2(tokens)))
-            splits = 1
+            splits = max(1, min(INTERPRETER_SPLITS, -(-tokens // self.block_n)))
         else:
             if self.use_dot:
                 self.block_n = 64

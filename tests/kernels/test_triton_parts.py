@@ -339,3 +339,16 @@ def test_many_query_rows_take_tl_dot_in_row_tiles(rows):
     assert_matches(PerTokenAffineSource(pack(codes, 3), scale, zero, 3, 32, 64), 64, rows)
     store = dense_sparse(5, 128, 90, fixed=False, seed=4)
     assert_matches(store.source(), 128, rows)
+
+
+def test_several_blocks_and_token_slices(monkeypatch):
+    """The GPU's geometry: blocks of 16 tokens walked in a loop, three slices per head reduced by the
+    split-K sum (the interpreter otherwise takes one block and one slice)."""
+    from kvbench.kernels import triton_parts
+
+    monkeypatch.setattr(triton_parts, "INTERPRETER_BLOCK_N", 16)
+    monkeypatch.setattr(triton_parts, "INTERPRETER_SPLITS", 3)
+    x = keys_like(101, 64, 5)
+    codes, scale, zero = quantize_grouped(x, 5, "token", 16)
+    assert_matches(PerTokenAffineSource(pack(codes, 5), scale, zero, 5, 16, 64), 64, 4)
+    assert_matches(FullPrecisionSource(x.half()), 64, 6)
