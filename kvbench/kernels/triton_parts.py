@@ -276,8 +276,9 @@ def _part_kernel(
     if MIX:
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     else:
-        q = tl.load(in_ptr + rows[:, None] * s_im + chan[None, :], mask=row_ok[:, None] & chan_ok[None, :])
-        q = q.to(tl.float32)
+        # masked lanes must read 0, not whatever is there: 0 * garbage may be NaN on a GPU
+        q_mask = row_ok[:, None] & chan_ok[None, :]
+        q = tl.load(in_ptr + rows[:, None] * s_im + chan[None, :], mask=q_mask, other=0.0).to(tl.float32)
         out_ptr += pid_bh.to(tl.int64) * M * T
     for block in range(start, end, BLOCK_N):
         tok = block + tl.arange(0, BLOCK_N)
