@@ -85,8 +85,10 @@ class KIVILayer(CompositeLayer):
         if not fused or key_states.shape[-2] > 2 or not self.num_tokens:
             self._before = None
             return super().update(key_states, value_states, *args, **kwargs)
-        # Views of storage that appends never overwrite: these references stay valid.
-        self._pending = None
+        # Views of storage that appends never overwrite: these references stay valid. The parts
+        # as sources too, for a step with a mask (padding), which the kernel does not take: it then
+        # reads them through the part reader (TritonReader) instead.
+        self._pending = self.stored()
         self._before = (
             PackedKV.from_store(self.kq),
             self.k_res.data,
@@ -104,11 +106,9 @@ class KIVILayer(CompositeLayer):
         self._before = None
         if attention_mask is not None:
             # padding or an explicit mask: the kernel only knows the causal rule of the newest
-            # tokens, so reconstruct and take the SDPA path
-            d = keys.shape[-1]
-            keys = cat_tokens(kq.dequantize(d) if kq else None, k_res, keys).to(query.dtype)
-            values = cat_tokens(vq.dequantize(d) if vq else None, v_res, values).to(query.dtype)
+            # tokens, so the parts taken in update() are read with the mask by the part reader
             return super().attend(module, query, keys, values, attention_mask, **kwargs)
+        self._pending = None
         from kvbench.kernels.cpu import note_backend
         from kvbench.kernels.decode_attention import fused_decode_attention
 

@@ -131,3 +131,28 @@ def test_triton_part_reader_in_a_layer_matches_torch(node):
             outs.append(layer.attend(module, q, keys, values, None, scaling=module.scaling)[0])
         assert cpu.backend_in_use() == "triton"  # the triton layer's reads, all of them
         torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
+
+
+def test_kivi_triton_step_with_a_mask_reads_the_parts_through_triton():
+    """A padded step, which the fused kernel does not take, reads the stored parts through
+    TritonReader with the mask (no torch reconstruction), and equals the torch path."""
+    from kvbench.kernels import cpu
+
+    node = {"name": "kivi", "bits": 3, "residual": 32}
+    layers = [build_method({**node, "backend": b}).build_layers(SHAPE, torch.float32)[0] for b in BACKENDS]
+    k = torch.randn(1, 2, 120, 64) * torch.rand(64) * 3
+    v = torch.randn(1, 2, 120, 64)
+    for layer in layers:
+        layer.update(k[:, :, :118], v[:, :, :118])
+    module = FakeAttention()
+    for t in (118, 119):
+        q = torch.randn(1, 6, 1, 64)
+        mask = torch.ones(1, 1, 1, t + 1, dtype=torch.bool)
+        mask[..., :5] = False  # five padding tokens at the start
+        outs = []
+        for layer in layers:
+            cpu.reset_for_tests()
+            keys, values = layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+            outs.append(layer.attend(module, q, keys, values, mask, scaling=module.scaling)[0])
+        assert cpu.backend_in_use() == "triton"
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
