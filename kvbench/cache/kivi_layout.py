@@ -14,10 +14,11 @@ Streaming rules, for l tokens arriving at once (prefill) or one at a time (decod
 - values: new values join the value queue X_Vr; while it holds more than R tokens, the oldest are
   quantized per token and appended to Q(X_Vg), so the newest R values stay in full precision.
 
-With ``backend=triton``, decode steps (one or two new tokens) skip the reconstruction in
-:meth:`KIVILayer.update` and attend through the fused kernel, which reads the packed codes
-directly; the read rule is unchanged: stored tokens as they were before this forward, new tokens
-exact.
+With ``backend=triton``, decode steps (one or two new tokens) attend through the fused kernel,
+which reads the packed codes directly; a step with a mask (padding), which that kernel does not
+take, reads the same parts through the Triton part reader
+(:class:`~kvbench.kernels.triton_parts.TritonReader`). The read rule is unchanged: stored tokens
+as they were before this forward, new tokens exact.
 """
 
 from __future__ import annotations
