@@ -539,7 +539,7 @@ class TritonReader:
 
 
 def covers(part: TokenSource) -> bool:
-    """Whether :class:`TritonReader` reads ``part`` (for refusing methods up front and for tests)."""
+    """Whether :class:`TritonReader` reads ``part``: what the strict reader checks before a launch."""
     if type(part) is ChannelSplitSource:
         return all(covers(src) for src, _ in part.parts)
     if type(part) is RoPESource:
