@@ -26,9 +26,11 @@ Covered parts (the stored formats of :mod:`kvbench.cache`):
   mixes scattered back, so the split costs two launches, whatever the context.
 
 Anything else (bit planes, a rotation together with sparse outliers, RoPE over another inner
-source) raises :class:`NotImplementedError` instead of falling back to torch: a method whose parts
-the reader does not cover is refused on ``backend=triton`` when its config is built (DESIGN.md:
-never run on part of its cache), so reaching one here is a bug, not a choice.
+source) raises :class:`NotImplementedError` on ``backend=triton`` instead of falling back to torch:
+a method whose parts the reader does not cover is refused on that backend when its config is built
+(DESIGN.md: never run on part of its cache), so reaching one there is a bug, not a choice. Under
+``backend=auto`` on a CUDA device the reader is not strict: such a part runs its torch reference
+and the run records both backends (:func:`~kvbench.kernels.cpu.backend_in_use`).
 
 Work split: program ``(b * H_kv + h, split, row tile)`` takes one kv head, a contiguous slice of
 the tokens (walked in blocks of ``BLOCK_N``) and up to ``BLOCK_M`` query rows. Decode has few query
