@@ -155,10 +155,12 @@ def test_decode_csv_has_one_row_per_method_and_names_the_backend(dry_run):
         assert float(r["step_ms"]) >= float(r["step_ms_min"]) > 0, r
     sdpa = float(by["DynamicCache"]["step_ms"])
     for name in ("fp16", "kivi", "kvquant"):
-        assert math.isclose(float(by[name]["vs_sdpa"]), float(by[name]["step_ms"]) / sdpa, rel_tol=0.01)
-    # KIVI implements triton and asks for it; KVQuant has only the torch reference
-    assert (by["kivi"]["backend_requested"], by["kivi"]["backend_in_use"]) == ("triton", "triton")
-    assert by["kvquant"]["backend_requested"] == "auto" and by["kvquant"]["backend_in_use"] == "torch"
+        # written with two decimals: 0.005 of rounding, more than 1% of a ratio below 0.5
+        ratio = float(by[name]["step_ms"]) / sdpa
+        assert math.isclose(float(by[name]["vs_sdpa"]), ratio, rel_tol=0.01, abs_tol=0.005)
+    # every method here implements triton and asks for it, and Triton reads all of its parts
+    for name in ("fp16", "kivi", "kvquant"):
+        assert (by[name]["backend_requested"], by[name]["backend_in_use"]) == ("triton", "triton"), name
     assert by["kivi"]["label"].startswith("kivi-2")
 
 

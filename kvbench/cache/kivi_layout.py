@@ -14,10 +14,11 @@ Streaming rules, for l tokens arriving at once (prefill) or one at a time (decod
 - values: new values join the value queue X_Vr; while it holds more than R tokens, the oldest are
   quantized per token and appended to Q(X_Vg), so the newest R values stay in full precision.
 
-With ``backend=triton``, decode steps (one or two new tokens) skip the reconstruction in
-:meth:`KIVILayer.update` and attend through the fused kernel, which reads the packed codes
-directly; the read rule is unchanged: stored tokens as they were before this forward, new tokens
-exact.
+With ``backend=triton``, decode steps (one or two new tokens) attend through the fused kernel,
+which reads the packed codes directly; a step with a mask (padding), which that kernel does not
+take, reads the same parts through the Triton part reader
+(:class:`~kvbench.kernels.triton_parts.TritonReader`). The read rule is unchanged: stored tokens
+as they were before this forward, new tokens exact.
 """
 
 from __future__ import annotations
@@ -75,12 +76,20 @@ class KIVILayer(CompositeLayer):
         if len(self.v_res) > self.residual:
             self.vq.append(self.v_res.pop_front(len(self.v_res) - self.residual))
 
+    # Whether decode steps on backend triton take the fused kernel, which reads exactly the four
+    # parts above; a subclass that stores more (OTT's outlier pools) sets False and reads every part
+    # through the layer's part reader instead.
+    fused_decode = True
+
     def update(self, key_states, value_states, *args, **kwargs):
-        if self.backend != "triton" or key_states.shape[-2] > 2 or not self.num_tokens:
+        fused = self.fused_decode and self.backend == "triton"
+        if not fused or key_states.shape[-2] > 2 or not self.num_tokens:
             self._before = None
             return super().update(key_states, value_states, *args, **kwargs)
-        # Views of storage that appends never overwrite: these references stay valid.
-        self._pending = None
+        # Views of storage that appends never overwrite: these references stay valid. The parts
+        # as sources too, for a step with a mask (padding), which the kernel does not take: it then
+        # reads them through the part reader (TritonReader) instead.
+        self._pending = self.stored()
         self._before = (
             PackedKV.from_store(self.kq),
             self.k_res.data,
@@ -98,13 +107,13 @@ class KIVILayer(CompositeLayer):
         self._before = None
         if attention_mask is not None:
             # padding or an explicit mask: the kernel only knows the causal rule of the newest
-            # tokens, so reconstruct and take the SDPA path
-            d = keys.shape[-1]
-            keys = cat_tokens(kq.dequantize(d) if kq else None, k_res, keys).to(query.dtype)
-            values = cat_tokens(vq.dequantize(d) if vq else None, v_res, values).to(query.dtype)
+            # tokens, so the parts taken in update() are read with the mask by the part reader
             return super().attend(module, query, keys, values, attention_mask, **kwargs)
+        self._pending = None
+        from kvbench.kernels.cpu import note_backend
         from kvbench.kernels.decode_attention import fused_decode_attention
 
+        note_backend("triton")
         scaling = kwargs.get("scaling") or module.scaling
         out = fused_decode_attention(
             query,

@@ -90,8 +90,8 @@ class KVLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     # Who reads the stored tokens in decode steps (the method's ``backend``; Method.build_layers
-    # sets it): ``auto`` takes the compiled CPU kernels where they built, anything else the torch
-    # reference (triton's fused decode is a layout's own path).
+    # sets it): :func:`~kvbench.kernels.cpu.parts.read_kernels` picks the reader from it (compiled
+    # CPU kernels, Triton, or the torch reference).
     read_backend = "auto"
 
     def __init__(self, layer_idx: int):

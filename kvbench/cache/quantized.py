@@ -1,7 +1,9 @@
 """Growable packed storage of quantized ``[B, H_kv, T, D]`` tensors.
 
-Both backends hold the same bytes: ``torch`` runs :mod:`kvbench.quant` (the reference, and the
-default on CPU), ``triton`` the kernels of :mod:`kvbench.kernels.quant_pack`, bit-identical to it.
+Every backend holds the same bytes: ``torch`` runs :mod:`kvbench.quant` (the reference), ``auto``
+the compiled CPU kernel where it covers the layout, ``triton`` the kernels of
+:mod:`kvbench.kernels.quant_pack` (for kvbench's fp32 arithmetic; KIVI's released arithmetic has
+only the reference), each bit-identical to the reference.
 
 Layout (what is held, per block of tokens appended):
 
@@ -29,6 +31,9 @@ from kvbench.cache.growable import GrowableTokens
 from kvbench.kernels.cpu import cpu_kernels
 from kvbench.quant.affine import dequantize_grouped, quantize_grouped
 from kvbench.quant.packing import chunk_layout, pack, unpack
+
+# What quantize_pack reads and stores parameters in (kvbench.kernels.quant_pack; it imports triton).
+QUANT_PACK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class QuantizedTokens:
@@ -60,9 +65,9 @@ class QuantizedTokens:
         """Quantize and store ``x [B, H_kv, t, D]``. For ``axis="channel"`` t must be a multiple of G."""
         if x.shape[-2] == 0:
             return
-        compiled = self._compiled_append(x)
-        if compiled is not None:
-            packed, scale, zero = compiled
+        kernel = self._triton_append(x) if self.backend == "triton" else self._compiled_append(x)
+        if kernel is not None:
+            packed, scale, zero = kernel
         else:
             codes, scale, zero = quantize_grouped(
                 x,
@@ -79,6 +84,19 @@ class QuantizedTokens:
         self._scale.append(scale)
         self._zero.append(zero)
         self.num_tokens += x.shape[-2]
+
+    def _triton_append(self, x: torch.Tensor):
+        """``(packed, scale, zero)`` of ``x`` from :func:`~kvbench.kernels.quant_pack.quantize_pack`
+        (two launches, bit-identical to the reference), or None where that kernel does not apply:
+        KIVI's released arithmetic (input dtype, round half to even), which only the reference
+        implements, or parameters kept in no dtype."""
+        if self.arithmetic != "fp32" or self.param_dtype not in QUANT_PACK_DTYPES:
+            return None
+        if self.zero_point not in ("minmax", "specache") or x.dtype not in QUANT_PACK_DTYPES:
+            return None
+        from kvbench.kernels.quant_pack import quantize_pack
+
+        return quantize_pack(x, self.levels, self.axis, self.group_size, self.zero_point, self.param_dtype)
 
     def _compiled_append(self, x: torch.Tensor):
         """``(packed, scale, zero)`` of ``x`` from the compiled CPU kernel (one call instead of the

@@ -46,9 +46,12 @@ class IntactKVConfig(MethodConfig):
             "the node of another method (e.g. kivi, uniform)",
         )
         # the sliding-window rule is the wrapper's: the runner reads it from this config
+        # the backend too (unless the base sets its own): the base's layers are the ones that store
+        # and read, and a base that does not implement it refuses it here
         node = {
             "bits": self.bits,
             "fp_dtype": self.fp_dtype,
+            "backend": self.backend,
             **self.base,
             "sink_tokens": self.tokens,
             "sliding_windows": self.sliding_windows,

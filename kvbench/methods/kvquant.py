@@ -43,7 +43,8 @@ element, :mod:`kvbench.quant.packing`), ``scales``/``zeros`` (fp16: per token fo
 (head, channel) for keys), ``codebook`` (fp16 signposts, ``nuq`` only), ``sparse`` (outliers:
 int32 token index, int16 (or int32) index of (batch, head, channel), fp16 value). Backend ``auto``
 (default) appends and reads through the compiled CPU kernels where they built (bit-identical
-appends; reads equal to float rounding), ``torch`` through the reference only.
+appends; reads equal to float rounding), ``torch`` through the reference only, ``triton`` appends
+through the reference and reads through :class:`~kvbench.kernels.triton_parts.TritonReader`.
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class KVQuantConfig(MethodConfig):
     calibration_data: str = inert("wikitext2")
     sensitivity_weighted: bool = False
 
-    backends: ClassVar[tuple[str, ...]] = ("torch",)
+    # triton: appends run the torch reference (DenseSparseTokens has no Triton quantizer; its
+    # threshold outliers keep one nonzero per append on a device, as under ``auto`` on CUDA), reads
+    # run TritonReader (codebook parts, pre-RoPE keys rotated in the kernel, sparse outliers).
+    backends: ClassVar[tuple[str, ...]] = ("auto", "torch", "triton")
     default_bits: ClassVar[float] = 3.0
 
     def __post_init__(self):

@@ -81,9 +81,6 @@ class OTTConfig(AffineCodesConfig):
     extra_pool_size: int = 32
 
     default_bits: ClassVar[float] = 2.0
-    # Triton's fused KIVI decode reads the quantized store and the residual window only; it knows
-    # nothing of the outlier pools, so on that backend OTT would silently lose them.
-    backends: ClassVar[tuple[str, ...]] = ("torch",)
     group_size_rule: ClassVar[str] = (
         "a positive integer: tokens per quantization step (key channel-group length)"
     )
@@ -118,7 +115,14 @@ class OTTConfig(AffineCodesConfig):
 
 class OTTLayer(KIVILayer):
     """KIVI's stores (``kq`` keys per channel over G tokens, ``k_res``/``v_res`` the full-precision
-    tokens) with values per token over ``value_group_size`` channels, plus the outlier pools."""
+    tokens) with values per token over ``value_group_size`` channels, plus the outlier pools.
+
+    Backend triton: KIVI's fused decode kernel reads the quantized store and the window only, so
+    OTT never takes it; its decode steps read all three parts of :meth:`stored` through the
+    layer's part reader (:class:`~kvbench.kernels.triton_parts.TritonReader`: affine codes and
+    full-precision rows, one launch each), with the pooled tokens' codes hidden by position."""
+
+    fused_decode = False
 
     def __init__(self, layer_idx, cfg: OTTConfig, fp_dtype):
         # KIVI uses G for both axes; OTT's G is a token count, the value channel group is its own knob.

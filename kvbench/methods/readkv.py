@@ -86,7 +86,7 @@ from kvbench.cache.layer import cat_tokens
 from kvbench.cache.masks import grouped_additive_mask
 from kvbench.config import require
 from kvbench.kernels.cpu import note_backend
-from kvbench.kernels.cpu.parts import read_kernels
+from kvbench.kernels.cpu.parts import CompiledReader, read_kernels
 from kvbench.methods.affine_base import FullPrecisionWindow
 from kvbench.methods.base import Method, MethodConfig, check_group, register_method
 from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
@@ -464,7 +464,7 @@ class ReadKVLayer(CompositeLayer):
         kb, vb = budgets(self.read_bits, self.key_share, d, tq)
         scaling = kwargs.get("scaling") or module.scaling
         reader = read_kernels(self.read_backend, query.device)
-        if reader is not None:
+        if isinstance(reader, CompiledReader):  # its planes have no Triton reader: torch on CUDA
             out, pk, pv = compiled_query_adaptive_attention(
                 reader.k, qf, kc, vc, self.bits, kb, vb, scaling, exact_k, exact_v, mask
             )

@@ -58,8 +58,10 @@ channels, :mod:`kvbench.quant.packing`), the base quantizer's parameters, and th
   rotation per (layer, kv head), Lloyd-Max codebook of L levels); ``seeds`` is one int64 per layer.
 
 ``bits`` (the run's top-level knob) is the target average when ``target_bits`` is unset.
-Only the torch backend exists; attention metrics need the layer's own ``attend``, which a
-``sink_tokens`` wrapper bypasses, so that combination is rejected.
+Backends: the stores are always packed by torch; ``triton`` reads them with
+:class:`~kvbench.kernels.triton_parts.TritonReader`, except under the attention metrics, which
+reconstruct the cache to score it and so refuse ``triton``. Attention metrics need the layer's own
+``attend``, which a ``sink_tokens`` wrapper bypasses, so that combination is rejected.
 """
 
 from __future__ import annotations
@@ -121,7 +123,10 @@ class SemKVConfig(MethodConfig):
     seed: int = 0
     query_chunk: int = 128
 
-    backends: ClassVar[tuple[str, ...]] = ("torch",)
+    # triton: the stores are packed by torch and read by TritonReader (affine or rotated codebook
+    # parts and the pending window); attention metrics take the reconstructing path instead of the
+    # parts, so they refuse it (__post_init__)
+    backends: ClassVar[tuple[str, ...]] = ("auto", "torch", "triton")
     default_bits: ClassVar[float] = 2.39
     # 2: group_size null groups 128 channels (was: the whole head) on heads wider than 128
     version: ClassVar[int] = 2
@@ -172,6 +177,13 @@ class SemKVConfig(MethodConfig):
                 "null with base=turboquant (it quantizes whole head vectors)",
             )
         if self.metric in ATTENTION_METRICS:
+            require(
+                self.backend != "triton",
+                "method.backend",
+                self.backend,
+                f"auto or torch with metric={self.metric} (attention metrics reconstruct the cache "
+                "instead of reading its parts, which triton does not cover)",
+            )
             require(
                 self.sink_tokens == 0,
                 "method.sink_tokens",

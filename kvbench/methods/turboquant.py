@@ -29,7 +29,8 @@ Storage per token and per K/V (what :meth:`TurboQuantLayer.held_tensors` reports
   stored; the seed is counted as 8 bytes (one int64) per layer.
 
 So with R = 0 the effective width is packed code bits + 16 / d per value, plus 64 bits per layer.
-``key_bits``/``value_bits`` default to ``bits``. Only the torch backend exists for this method.
+``key_bits``/``value_bits`` default to ``bits``. Backends: the codes are always quantized by torch;
+``triton`` reads them with :class:`~kvbench.kernels.triton_parts.TritonReader`.
 
 Outlier channels (``outlier_channels = k > 0``; default 0, the plain codec above). The paper's
 KV-cache experiments reach their 2.5- and 3.5-bit settings by splitting the channels into an outlier
@@ -81,7 +82,9 @@ class TurboQuantConfig(FullPrecisionWindow, MethodConfig):
     outlier_channels: int = inert(0)
     outlier_bits: float | None = inert(None)
 
-    backends: ClassVar[tuple[str, ...]] = ("torch",)
+    # triton: the codes are quantized by torch (no Triton quantizer of Lloyd-Max codes; the stored
+    # bytes are the same) and read by TritonReader (rotated codebook parts, the channel split).
+    backends: ClassVar[tuple[str, ...]] = ("auto", "torch", "triton")
     default_bits: ClassVar[float] = 2.0
 
     def __post_init__(self):

@@ -340,7 +340,7 @@ def test_calibrate_layer_excludes_outliers_from_the_codebook_values():
         ({"sensitivity_weighted": True}, "method.sensitivity_weighted"),
         ({"calibration_tokens": 0}, "method.calibration_tokens"),
         ({"pre_rope": "yes"}, "method.pre_rope"),
-        ({"backend": "triton"}, "method.backend"),
+        ({"backend": "cuda"}, "method.backend"),
         ({"key_bits": 2.5}, "method.key_bits"),
         ({"group_size": 32}, "method.group_size"),
     ],

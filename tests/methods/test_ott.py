@@ -231,14 +231,18 @@ def test_value_group_must_divide_head_dim():
         method.config.check_model(ModelShape(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64))
 
 
-def test_triton_backend_is_refused_in_one_line_naming_the_ones_implemented():
-    """The fused Triton decode reads no outlier pools; OTT on it would drop them silently."""
-    from kvbench.errors import ConfigError
-    from kvbench.methods import build_method
+def test_triton_backend_reads_every_part_instead_of_the_fused_kivi_kernel():
+    """KIVI's fused Triton decode reads no outlier pools: OTT on triton must never take it (its
+    decode reads the codes, the pools and the window through the part reader; the parity with torch
+    is tests/kernels/test_triton_parts.py and tests/kernels/test_backend.py)."""
+    from kvbench.cache.kivi_layout import KIVILayer
+    from kvbench.methods.ott import OTTLayer
 
-    with pytest.raises(ConfigError) as info:
-        build_method({"name": "ott", "backend": "triton"}, 2)
-    message = str(info.value)
-    assert "method.backend" in message and "triton" in message and "torch" in message
-    assert "\n" not in message
-    assert build_method({"name": "ott", "backend": "auto"}, 2).config.backend == "auto"
+    assert "triton" in OTTConfig.backends
+    assert KIVILayer.fused_decode and not OTTLayer.fused_decode
+    layer = build_method({"name": "ott", "backend": "torch"}, 2).make_layer(0, None, torch.float32)
+    layer.backend = "triton"  # as storage_backend() resolves it on a CUDA machine
+    k, v = torch.randn(1, 2, 200, 64), torch.randn(1, 2, 200, 64)
+    layer.update(k[:, :, :199], v[:, :, :199])
+    layer.update(k[:, :, 199:], v[:, :, 199:])
+    assert layer._before is None and layer.stored_for_attention is not None  # the part reader's path

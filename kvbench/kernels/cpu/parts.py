@@ -259,14 +259,34 @@ def _correct_mix(out, part: CodebookSource, weights, module=None):
     return out
 
 
-def read_kernels(backend: str, device: torch.device | str | None) -> CompiledReader | None:
-    """The reader a layer's decode reads go through: the compiled kernels for ``backend="auto"`` on
-    the CPU when they built, else None (the torch reference; triton's fused path is the layout's)."""
-    if backend != "auto" or (device is not None and torch.device(device).type != "cpu"):
-        note_backend("torch" if backend != "triton" else "triton")
+def read_kernels(backend: str, device: torch.device | str | None):
+    """The reader a layer's decode reads go through (a :class:`~kvbench.cache.blockwise.PartReader`):
+
+    - ``triton``: the Triton kernels (:class:`~kvbench.kernels.triton_parts.TritonReader`, strict:
+      a method reaches it only when every part it stores is covered);
+    - ``auto`` on a CUDA device with triton installed: the same kernels, not strict (a part they do
+      not cover runs its torch reference, and the run records both backends);
+    - ``auto`` on the CPU: the compiled kernels when they built;
+    - otherwise None: the torch reference (``torch``, or ``auto`` where nothing built).
+
+    The Triton module is imported only here, on first use: importing triton at module level would
+    freeze the interpreter choice (``TRITON_INTERPRET``) before a test or a run has set it."""
+    kind = None if device is None else torch.device(device).type
+    if backend == "triton" or backend == "auto" and kind == "cuda" and _triton_ready():
+        from kvbench.kernels.triton_parts import TritonReader
+
+        return TritonReader(strict=backend == "triton")
+    if backend != "auto" or (kind is not None and kind != "cpu"):
+        note_backend("torch")
         return None
     module = cpu_kernels()
     if module is None:
         note_backend("torch")
         return None
     return CompiledReader(module)
+
+
+def _triton_ready() -> bool:
+    from kvbench.kernels.runtime import triton_available
+
+    return triton_available()
