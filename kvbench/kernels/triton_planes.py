@@ -27,10 +27,13 @@ load, so the other planes' bytes are never fetched), as the compiled kernels do.
 - :meth:`TritonPlanes.allocate_prefix`: per row, the k = min(budget, N * B) largest refinement gains
   ``w_i 2^-j`` counted per item. One program per row finds the k-th largest gain exactly by a
   radix search over its float32 bits (gains are non-negative, so their bit patterns order as the
-  values do: 31 counting passes, no sort), then takes every gain above it and the ties at it from the
-  lowest item up. Without ties at the threshold that is the reference's allocation bit for bit
-  (the reference leaves ties to ``topk``; the compiled kernel breaks them the same way as here).
-  The gains are the reference's float32 products ``w * 2^-j``, exact (a power-of-two multiple).
+  values do: 31 counting passes, no sort, no top-k of N * B gains), then takes every gain above it
+  and the ties at it from the lowest item up. An item's B gains are its weight's pattern minus
+  j << 23 unless they leave the normal floats, so a pass counts them with one subtraction per item,
+  gain by gain only in a block that holds a weight below 2^(B-126) (gains that may round). The
+  gains are the reference's float32 products ``w * 2^-j``, so without ties at the threshold this is
+  the reference's allocation bit for bit (the reference leaves ties to ``topk``; the compiled
+  kernel breaks them the same way as here).
 - :meth:`TritonPlanes.plane_rms`: the reference's own torch expression (``sqrt(mean(s^2))`` over the
   groups), so the allocation weights equal the reference's bit for bit; a kernel would only
   reorder the sum.
@@ -199,6 +202,24 @@ def _gain_bits(w, BITS: tl.constexpr, BITS_P2: tl.constexpr):
 
 
 @triton.jit
+def _count_at_least(w, live, c, BITS: tl.constexpr, BITS_P2: tl.constexpr):
+    """int32 ``[ROWS, BLOCK_N]``: how many of each item's gains have a bit pattern >= ``c [ROWS]``
+    (0 where ~live). An item of weight 0 has BITS gains 0. Where every weight of the block is 0 or
+    at least 2^(BITS-126), each gain w 2^-j is a normal float whose pattern is w's minus j << 23,
+    so the count is one subtraction; a block holding a smaller weight (whose gains may be
+    subnormal, and round) compares gain by gain."""
+    wb = w.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tiny = live & (wb > 0) & (wb < (BITS << 23))
+    if tl.sum(tl.sum(tiny.to(tl.int32), axis=1), axis=0) > 0:
+        g = _gain_bits(w, BITS, BITS_P2)
+        n = tl.sum((g >= c[:, None, None]).to(tl.int32), axis=2)
+    else:
+        n = tl.minimum(tl.maximum(((wb - c[:, None]) >> 23) + 1, 0), BITS)
+        n = tl.where(wb == 0, tl.where(c[:, None] <= 0, BITS, 0), n)
+    return tl.where(live, n, 0)
+
+
+@triton.jit
 def _allocate_kernel(
     w_ptr, out_ptr, R, N, k,
     BITS: tl.constexpr, BITS_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -209,30 +230,28 @@ def _allocate_kernel(
     # 1. tau: the bit pattern of the k-th largest gain of each row, the largest pattern with at least
     # k gains at or above it, built bit by bit from the top (k = 0 sets every bit: none lies above)
     tau = tl.zeros([ROWS], tl.int32)
-    for bit in tl.static_range(30, -1, -1):
-        cand = tau | (1 << bit)
+    for i in range(31):  # a loop, not unrolled: 31 copies of the passes would only grow the code
+        cand = tau | (1 << (30 - i))
         count = tl.zeros([ROWS], tl.int32)
         for start in range(0, N, BLOCK_N):
             live = live_r[:, None] & (start + items < N)[None, :]
             w = tl.load(w_ptr + row[:, None] * N + (start + items)[None, :], mask=live, other=0.0)
-            above = (_gain_bits(w, BITS, BITS_P2) >= cand[:, None, None]).to(tl.int32)
-            count += tl.sum(tl.where(live, tl.sum(above, axis=2), 0), axis=1)
+            count += tl.sum(_count_at_least(w, live, cand, BITS, BITS_P2), axis=1)
         tau = tl.where(count >= k, cand, tau)
-    # 2. every gain above tau
+    # 2. every gain above tau: patterns >= tau + 1 (k = 0's all-ones tau is kept from wrapping)
+    over = tl.minimum(tau, 0x7FFFFFFE) + 1
     taken = tl.zeros([ROWS], tl.int32)
     for start in range(0, N, BLOCK_N):
         live = live_r[:, None] & (start + items < N)[None, :]
         w = tl.load(w_ptr + row[:, None] * N + (start + items)[None, :], mask=live, other=0.0)
-        above = (_gain_bits(w, BITS, BITS_P2) > tau[:, None, None]).to(tl.int32)
-        taken += tl.sum(tl.where(live, tl.sum(above, axis=2), 0), axis=1)
+        taken += tl.sum(_count_at_least(w, live, over, BITS, BITS_P2), axis=1)
     # 3. the ties at tau, from the lowest item up, until k are taken
     ties = k - taken
     for start in range(0, N, BLOCK_N):
         live = live_r[:, None] & (start + items < N)[None, :]
         w = tl.load(w_ptr + row[:, None] * N + (start + items)[None, :], mask=live, other=0.0)
-        g = _gain_bits(w, BITS, BITS_P2)
-        above = tl.sum((g > tau[:, None, None]).to(tl.int32), axis=2)
-        equal = tl.where(live, tl.sum((g == tau[:, None, None]).to(tl.int32), axis=2), 0)
+        above = _count_at_least(w, live, over, BITS, BITS_P2)
+        equal = _count_at_least(w, live, tau, BITS, BITS_P2) - above
         before = tl.cumsum(equal, axis=1) - equal  # ties at lower items of this block
         extra = tl.minimum(tl.maximum(ties[:, None] - before, 0), equal)
         at = row[:, None] * N + (start + items)[None, :]

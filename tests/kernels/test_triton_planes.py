@@ -175,10 +175,13 @@ def test_allocation_with_ties_takes_the_lowest_items_for_the_same_objective():
     w[:, ::3] = 0.0  # tied zero gains
     w[:, 1] = 2 * w[:, 4]  # w_1 2^-1 ties w_4's first gain
     w[:, 7] = 1e-42  # a subnormal weight: its gains round
+    # weights below 2^(8-126), whose gains are tiny normals or subnormals (the gain-by-gain count)
+    w[2, 20:30] = torch.rand(10, generator=g) * 1e-37
+    w[2, 30:40] = torch.rand(10, generator=g) * 1e-41
     w[3] = 0.25  # equal weights: every item's j-th gain ties every other item's
     planes = TritonPlanes(block_items=16)  # ties carried across blocks
     objective = lambda p: (w * torch.pow(0.5, p.float())).sum(-1)  # noqa: E731
-    for budget in (5, 130, 300, 399):
+    for budget in (0, 5, 130, 300, 399, 400):
         want = allocate_prefix_bits(w, 8, budget)
         got = planes.allocate_prefix(w, 8, budget)
         where = f"budget={budget}"
