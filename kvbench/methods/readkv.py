@@ -49,7 +49,8 @@ the kernels stay torch: the softmax, the exact (full-precision) tokens' two matm
 (quantizing and cutting codes into planes: the Triton append of :mod:`kvbench.kernels.quant_pack`
 packs whole codes, not bit planes; the stored bytes are the same on every backend). A full read
 holds the logits ``[B, H_kv, rep * q, T]`` of the chunk at once, where the blockwise path holds a
-block.
+block. ``sink_tokens`` is refused on triton: behind a sink the layer's own reads are not used
+(:mod:`kvbench.cache.sink`) and the generic blockwise attention would read the planes.
 
 Streaming: new tokens join a full-precision buffer (``fp_dtype``); whenever it holds at least
 R + G tokens (R = ``residual``, default 0, as the paper's abstract names no window), its oldest G
@@ -161,6 +162,13 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
             "method.key_share",
             self.key_share,
             "the fraction of the read budget spent on keys, in [0, 1]",
+        )
+        require(
+            self.backend != "triton" or not self.sink_tokens,
+            "method.sink_tokens",
+            self.sink_tokens,
+            "0 with method.backend=triton: behind a sink the planes are read by the generic blockwise "
+            "attention, which the Triton plane kernels do not serve",
         )
 
     def check_model(self, shape):

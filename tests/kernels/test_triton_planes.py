@@ -48,12 +48,12 @@ def close(got, want, where, rel=1e-4):
     assert err <= bound, f"{where}: max error {err:.3g} > {bound:.3g}"
 
 
-def store(g, axis, bits, group, h, t, d, b=2) -> PlaneStore:
+def store(g, axis, bits, group, h, t, d, b=2, param_dtype=torch.float16) -> PlaneStore:
     """A ReadKV store of random tokens: keys (``axis="channel"``) with channels of unequal scale."""
     x = torch.randn(b, h, t, d, generator=g)
     if axis == "channel":
         x = x * (torch.rand(d, generator=g) * 3 + 0.1)
-    held = BitPlaneTokens(bits, axis, group)
+    held = BitPlaneTokens(bits, axis, group, param_dtype)
     held.append(x)
     return PlaneStore.of(held)
 
@@ -110,6 +110,27 @@ def test_key_scores_and_value_mix_equal_the_torch_read(planes, bits, group, d, h
     pv = torch.randint(0, bits + 1, (2, h, m, tv), generator=g)
     got = planes.plane_value_mix(weights, vc.planes, vc.scale, vc.zero, pv, bits, group, d)
     close(got, reference_mix(vc, weights, pv), f"{where} mix")
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_other_parameter_dtypes(planes, param_dtype):
+    """ReadKV holds fp16 scales and zeros; the kernels read bfloat16 (on its bits: the interpreter's
+    own bf16 cast is unreliable) and float32 ones the same way."""
+    g = torch.Generator().manual_seed(5)
+    bits, group, d, h, m = 4, 32, 64, 2, 4
+    kc, vc = (
+        store(g, "channel", bits, group, h, 96, d, param_dtype=param_dtype),
+        store(g, "token", bits, group, h, 77, d, param_dtype=param_dtype),
+    )
+    assert kc.scale.dtype == vc.zero.dtype == param_dtype
+    query = torch.randn(2, h, m, d, generator=g)
+    pk = torch.randint(0, bits + 1, (2, h, m, d), generator=g)
+    got = planes.plane_key_scores(query, kc.planes, kc.scale, kc.zero, pk, bits, group, 0.125)
+    close(got, reference_scores(kc, query, pk, 0.125), f"{param_dtype} scores")
+    weights = torch.softmax(torch.randn(2, h, m, 77, generator=g), -1)
+    pv = torch.randint(0, bits + 1, (2, h, m, 77), generator=g)
+    got = planes.plane_value_mix(weights, vc.planes, vc.scale, vc.zero, pv, bits, group, d)
+    close(got, reference_mix(vc, weights, pv), f"{param_dtype} mix")
 
 
 def test_kernels_read_no_plane_beyond_the_prefixes(planes):
@@ -255,3 +276,17 @@ def test_readkv_decode_on_triton_matches_torch(arch):
     names = ("prefill", "decode", "chunk")
     for name, got, want in zip(names, logits["triton"], logits["torch"], strict=True):
         close(got, want, f"{arch} {name}")
+
+
+def test_readkv_takes_triton_only_where_the_kernels_read_every_plane(monkeypatch):
+    from kvbench.errors import ConfigError
+
+    node = {"name": "readkv", "bits": 8, "read_bits": 4, "backend": "triton"}
+    assert build_method(node).config.backend == "triton"
+    # behind a sink the planes would be read by the generic blockwise path, not by these kernels
+    with pytest.raises(ConfigError, match=r"method.sink_tokens=4.*backend=triton"):
+        build_method({**node, "sink_tokens": 4})
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"method.backend='triton': needs a CUDA device"):
+        build_method(node)
