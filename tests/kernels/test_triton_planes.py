@@ -290,3 +290,32 @@ def test_readkv_takes_triton_only_where_the_kernels_read_every_plane(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match=r"method.backend='triton': needs a CUDA device"):
         build_method(node)
+
+
+def test_triton_decode_read_never_waits_and_does_not_grow_with_the_context():
+    """DESIGN's kernel contract: a fixed number of calls per read whatever the context, no host
+    sync (counted by kvbench.kernels.counting on the torch side of the launches)."""
+    from types import SimpleNamespace
+
+    from kvbench.kernels import cpu
+    from kvbench.kernels.counting import count_ops
+    from kvbench.methods import ModelShape
+
+    shape = ModelShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64)
+    node = {"name": "readkv", "bits": 8, "read_bits": 3, "fp_dtype": "float32", "backend": "triton"}
+    totals = []
+    for t in (96, 224):
+        g = torch.Generator().manual_seed(t)
+        cpu.reset_for_tests()
+        layer = build_method(node).build_layers(shape, torch.float32)[0]
+        k, v = torch.randn(2, 1, 2, t + 1, 64, generator=g).unbind(0)
+        layer.update(k[:, :, :t], v[:, :, :t])
+        keys, values = layer.update(k[:, :, t:], v[:, :, t:])
+        with count_ops() as counts:
+            layer.attend(
+                SimpleNamespace(scaling=0.125), torch.randn(1, 4, 1, 64, generator=g), keys, values, None
+            )
+        assert layer.read_steps == 1 and cpu.backend_in_use() == "triton", f"T={t}: not the Triton read"
+        assert counts.total_syncs == 0, counts.describe_syncs()
+        totals.append(counts.total_ops)
+    assert totals[0] == totals[1], totals
