@@ -246,14 +246,23 @@ def test_triton_read_equals_the_blockwise_read(planes, bits, read_bits, d, m):
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-hd128"])
-def test_readkv_decode_on_triton_matches_torch(arch):
+def test_readkv_decode_on_triton_matches_torch(arch, monkeypatch):
     """A tiny Llama: prefill, one decode step (query-adaptive read) and a chunk of five tokens
     (the full read) give the same logits with ``backend=triton`` as with ``backend=torch``, and the
-    run records that Triton read the planes."""
+    run records that Triton read the planes: both reads of every layer went through the kernels."""
     from tiny_archs import VOCAB, loaded, tiny_model
 
     from kvbench.kernels import cpu
 
+    launches = {"scores": 0, "mix": 0}
+    for name, method in (("scores", "plane_key_scores"), ("mix", "plane_value_mix")):
+        original = getattr(TritonPlanes, method)
+
+        def counted(self, *args, _name=name, _original=original):
+            launches[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(TritonPlanes, method, counted)
     model, shape = tiny_model(arch)
     prompt = torch.randint(VOCAB, (1, 45), generator=torch.Generator().manual_seed(0))
     node = {"name": "readkv", "bits": 6, "read_bits": 3, "group_size": 16, "fp_dtype": "float32"}
@@ -273,6 +282,8 @@ def test_readkv_decode_on_triton_matches_torch(arch):
         used = cpu.backend_in_use()
         assert ("triton" in used) == (backend == "triton"), f"{arch} {backend}: read by {used}"
         assert layer.read_bits_per_value() == 3.0, f"{arch} {backend}: a query-adaptive read"
+    layers = shape.num_layers
+    assert launches == {"scores": 2 * layers, "mix": 2 * layers}, launches  # decode and chunk
     names = ("prefill", "decode", "chunk")
     for name, got, want in zip(names, logits["triton"], logits["torch"], strict=True):
         close(got, want, f"{arch} {name}")
