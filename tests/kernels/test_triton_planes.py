@@ -34,11 +34,29 @@ from kvbench.methods.readkv import (
 from kvbench.quant.progressive import allocate_prefix_bits, prefix_reconstruct
 
 BLOCK = 64  # tokens per program: every store below ends in a partial block
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else TRITON_INTERPRET=1 (conftest.py)
+
+
+class OnDevice:
+    """:class:`TritonPlanes` whose tensor arguments go to ``DEVICE`` and whose results come back to
+    the CPU, where the cases are drawn and the references computed."""
+
+    def __init__(self, inner: TritonPlanes):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        method = getattr(self.inner, name)
+
+        def call(*args):
+            out = method(*(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
+            return out.cpu()
+
+        return call
 
 
 @pytest.fixture(scope="module")
 def planes():
-    return TritonPlanes(block_tokens=BLOCK)
+    return OnDevice(TritonPlanes(block_tokens=BLOCK))
 
 
 def close(got, want, where, rel=1e-4):
@@ -168,7 +186,7 @@ def test_kernels_read_no_plane_beyond_the_prefixes(planes):
     ],
 )  # fmt: skip
 def test_allocation_equals_the_reference_without_ties(shape, bits, budgets_, block):
-    planes = TritonPlanes(block_items=block)
+    planes = OnDevice(TritonPlanes(block_items=block))
     seed = sum(shape) + bits
     g = torch.Generator().manual_seed(seed)
     # spread over many binades, as attention weights are
@@ -200,7 +218,7 @@ def test_allocation_with_ties_takes_the_lowest_items_for_the_same_objective():
     w[2, 20:30] = torch.rand(10, generator=g) * 1e-37
     w[2, 30:40] = torch.rand(10, generator=g) * 1e-41
     w[3] = 0.25  # equal weights: every item's j-th gain ties every other item's
-    planes = TritonPlanes(block_items=16)  # ties carried across blocks
+    planes = OnDevice(TritonPlanes(block_items=16))  # ties carried across blocks
     objective = lambda p: (w * torch.pow(0.5, p.float())).sum(-1)  # noqa: E731
     for budget in (0, 130, 399, 400):
         want = allocate_prefix_bits(w, 8, budget)
@@ -264,6 +282,7 @@ def test_readkv_decode_on_triton_matches_torch(arch, monkeypatch):
 
         monkeypatch.setattr(TritonPlanes, method, counted)
     model, shape = tiny_model(arch)
+    model = model.to(DEVICE)
     prompt = torch.randint(VOCAB, (1, 45), generator=torch.Generator().manual_seed(0))
     node = {"name": "readkv", "bits": 6, "read_bits": 3, "group_size": 16, "fp_dtype": "float32"}
     logits = {}
@@ -319,14 +338,44 @@ def test_triton_decode_read_never_waits_and_does_not_grow_with_the_context():
         g = torch.Generator().manual_seed(t)
         cpu.reset_for_tests()
         layer = build_method(node).build_layers(shape, torch.float32)[0]
-        k, v = torch.randn(2, 1, 2, t + 1, 64, generator=g).unbind(0)
+        k, v = torch.randn(2, 1, 2, t + 1, 64, generator=g).to(DEVICE).unbind(0)
+        query = torch.randn(1, 4, 1, 64, generator=g).to(DEVICE)
         layer.update(k[:, :, :t], v[:, :, :t])
         keys, values = layer.update(k[:, :, t:], v[:, :, t:])
         with count_ops() as counts:
-            layer.attend(
-                SimpleNamespace(scaling=0.125), torch.randn(1, 4, 1, 64, generator=g), keys, values, None
-            )
+            layer.attend(SimpleNamespace(scaling=0.125), query, keys, values, None)
         assert layer.read_steps == 1 and cpu.backend_in_use() == "triton", f"T={t}: not the Triton read"
         assert counts.total_syncs == 0, counts.describe_syncs()
         totals.append(counts.total_ops)
     assert totals[0] == totals[1], totals
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits,read_bits", [(8, 4), (4, 2)])
+def test_full_size_read_on_cuda(bits, read_bits):
+    """A Llama-3.1-8B layer's read at 8K tokens (8 kv heads, 4 query heads each, D = 128) through
+    the kernels' GPU tiles: the same prefixes as the blockwise torch read on the same device, and
+    the same output to float32 reassociation."""
+    g = torch.Generator().manual_seed(bits)
+    h, t, d, m = 8, 8192, 128, 4
+    kc = PlaneStore.of(_cuda_store(g, "channel", bits, h, t, d))
+    vc = PlaneStore.of(_cuda_store(g, "token", bits, h, t, d))
+    query = torch.randn(1, h, m, d, generator=g).cuda()
+    exact_k, exact_v = (torch.randn(1, h, 17, d, generator=g).cuda() for _ in range(2))
+    kb, vb = budgets(read_bits, 0.5, d, t)
+    want = blockwise_query_adaptive_attention(query, kc, vc, bits, kb, vb, d**-0.5, exact_k, exact_v)
+    got = compiled_query_adaptive_attention(
+        TritonPlanes(), query, kc, vc, bits, kb, vb, d**-0.5, exact_k, exact_v, None, "triton"
+    )
+    where = f"bits={bits} read={read_bits}"
+    assert torch.equal(got[1], want[1]), f"{where}: key prefixes"
+    assert torch.equal(got[2], want[2]), f"{where}: value prefixes"
+    close(got[0], want[0], f"{where} output")
+
+
+def _cuda_store(g, axis, bits, h, t, d):
+    x = torch.randn(1, h, t, d, generator=g)
+    held = BitPlaneTokens(bits, axis, 32)
+    held.append(x.cuda())
+    return held
