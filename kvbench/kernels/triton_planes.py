@@ -1,4 +1,7 @@
-"""ReadKV's decode reads in Triton: prefix reads of bit-plane codes and the budgeted allocation.
+"""ReadKV's decode reads in Triton: prefix reads of bit-plane codes and the budgeted allocation
+(ReadKV, Amazon / UC Berkeley: query-adaptive reads of a progressive KV cache; the method is
+:mod:`kvbench.methods.readkv`). ``backend=triton`` needs these so that the whole read stays on the
+GPU, one launch per call over the whole store, with no host sync.
 
 The same four calls as the compiled CPU module (``kvbench/kernels/cpu/planes.cpp``), with the same
 arguments and results, so :func:`kvbench.methods.readkv.compiled_query_adaptive_attention` runs on
@@ -107,6 +110,11 @@ def _key_scores_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr,
     BF16: tl.constexpr,
 ):  # fmt: skip
+    """Program (b * H + h, i): the logits ``out[b, h, :, t]`` of tokens ``t`` in octets
+    ``[i * BLOCK_O, (i + 1) * BLOCK_O)``. Planes ``[B, H, T / 8, BITS * D]`` (byte ``j * D + c`` of
+    octet o: bit BITS-1-j of channel c for tokens 8o..8o+7), scale/zero ``[B, H, T / GROUP, D]``,
+    query and prefix ``[B, H, M, D]``. The codes are assembled once for all M rows (from the planes
+    the longest row prefix needs) and each row masks its own prefix out of them."""
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
@@ -155,6 +163,10 @@ def _value_mix_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D8: tl.constexpr,
     BF16: tl.constexpr,
 ):  # fmt: skip
+    """Program (b * H + h, i): ``part[b * H + h, i, m, :] = sum_t w[m, t] x_p(t, :)`` over tokens
+    ``[i * BLOCK_T, (i + 1) * BLOCK_T)``. Planes ``[B, H, T, BITS * D8]`` (byte ``j * D8 + k``: bit
+    BITS-1-j of channels 8k..8k+7), scale/zero ``[B, H, T, D / GROUP]``, weights and prefix
+    ``[B, H, M, T]``, partials ``[B * H, blocks, M, D]`` contiguous."""
     bh = tl.program_id(0)
     blk = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -224,6 +236,8 @@ def _allocate_kernel(
     w_ptr, out_ptr, R, N, k,
     BITS: tl.constexpr, BITS_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """Rows ``[p * ROWS, (p + 1) * ROWS)`` of weights ``[R, N]`` (float32, contiguous) -> prefix
+    lengths ``out [R, N]`` (int64), the k largest gains of each row (module docstring)."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     items = tl.arange(0, BLOCK_N)
     live_r = row < R
