@@ -285,7 +285,7 @@ def test_readkv_decode_on_triton_matches_torch(arch, monkeypatch):
     model = model.to(DEVICE)
     prompt = torch.randint(VOCAB, (1, 45), generator=torch.Generator().manual_seed(0))
     node = {"name": "readkv", "bits": 6, "read_bits": 3, "group_size": 16, "fp_dtype": "float32"}
-    logits = {}
+    logits, held = {}, {}
     for backend in ("torch", "triton"):
         cpu.reset_for_tests()
         runner = loaded(model, shape).runner(build_method({**node, "backend": backend}))
@@ -296,11 +296,13 @@ def test_readkv_decode_on_triton_matches_torch(arch, monkeypatch):
             chunk = runner.forward(torch.tensor([[3, 14, 15, 92, 65]]), cache)[0]
         logits[backend] = (first, step, chunk)
         layer = cache.layers[0]
+        held[backend] = [t.cpu() for ts in layer.held_tensors().values() for t in ts]
         assert layer.read_steps == 1, f"{arch} {backend}: decode reads {layer.read_steps}"
         assert len(layer.kq) == 48, f"{arch} {backend}: stored tokens {len(layer.kq)}"
         used = cpu.backend_in_use()
         assert ("triton" in used) == (backend == "triton"), f"{arch} {backend}: read by {used}"
         assert layer.read_bits_per_value() == 3.0, f"{arch} {backend}: a query-adaptive read"
+    assert all(torch.equal(a, b) for a, b in zip(held["torch"], held["triton"], strict=True))  # same bytes
     layers = shape.num_layers
     assert launches == {"scores": 2 * layers, "mix": 2 * layers}, launches  # decode and chunk
     names = ("prefill", "decode", "chunk")
