@@ -42,7 +42,8 @@ failed=0
 if [[ $DRY == 0 ]]; then
     echo "== pytest: full-size kernel tests on CUDA (timeout ${PYTEST_TIMEOUT}s)"
     timeout "$PYTEST_TIMEOUT" "$PY" -m pytest -q -m cuda -p no:cacheprovider \
-        tests/kernels/test_quant_pack.py tests/kernels/test_decode_attention.py 2>&1 | tail -n 15
+        tests/kernels/test_quant_pack.py tests/kernels/test_decode_attention.py \
+        tests/kernels/test_triton_planes.py 2>&1 | tail -n 15
     rc=${PIPESTATUS[0]}
     case $rc in
         0) status+=("pytest -m cuda (kernels): ok") ;;

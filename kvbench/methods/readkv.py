@@ -40,6 +40,18 @@ On the CPU (backend ``auto``) the read is three compiled calls instead (allocati
 value mix: :func:`compiled_query_adaptive_attention`, ``kvbench/kernels/cpu/planes.cpp``) that load
 only the planes a row's prefix needs, so a read of p bits per entry moves about p bits.
 
+With ``backend=triton`` the same three calls are Triton kernels (:mod:`kvbench.kernels.triton_planes`,
+the CUDA path; the CPU interpreter in tests), and so is every other read of the stored planes: a
+forward of more than two tokens over stored tokens (a continuation fed in chunks) goes through them
+with every prefix at B bits, which is the stored reconstruction the other backends read blockwise
+(:class:`~kvbench.cache.bitplanes.PlaneSource`), so no part of the planes is read by torch. Around
+the kernels stay torch: the softmax, the exact (full-precision) tokens' two matmuls, and the appends
+(quantizing and cutting codes into planes: the Triton append of :mod:`kvbench.kernels.quant_pack`
+packs whole codes, not bit planes; the stored bytes are the same on every backend). A full read
+holds the logits ``[B, H_kv, rep * q, T]`` of the chunk at once, where the blockwise path holds a
+block. ``sink_tokens`` is refused on triton: behind a sink the layer's own reads are not used
+(:mod:`kvbench.cache.sink`) and the generic blockwise attention would read the planes.
+
 Streaming: new tokens join a full-precision buffer (``fp_dtype``); whenever it holds at least
 R + G tokens (R = ``residual``, default 0, as the paper's abstract names no window), its oldest G
 tokens, keys and values together, are quantized. So the newest R..R+G-1 tokens stay exact.
@@ -104,8 +116,10 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
     residual: int = 0
     key_share: float = 0.5
 
-    # auto: the compiled plane kernels on the CPU where they built (kvbench/kernels/cpu/planes.cpp)
-    backends: ClassVar[tuple[str, ...]] = ("torch",)
+    # auto: the compiled plane kernels on the CPU where they built (kvbench/kernels/cpu/planes.cpp);
+    # triton: every read of the stored planes through kvbench/kernels/triton_planes.py (appends and
+    # the full-precision tokens in torch)
+    backends: ClassVar[tuple[str, ...]] = ("torch", "triton")
     # 2: codes stored as bit planes (same values and attention, other bytes)
     version: ClassVar[int] = 2
     default_bits: ClassVar[float] = 8.0
@@ -148,6 +162,13 @@ class ReadKVConfig(FullPrecisionWindow, MethodConfig):
             "method.key_share",
             self.key_share,
             "the fraction of the read budget spent on keys, in [0, 1]",
+        )
+        require(
+            self.backend != "triton" or not self.sink_tokens,
+            "method.sink_tokens",
+            self.sink_tokens,
+            "0 with method.backend=triton: behind a sink the planes are read by the generic blockwise "
+            "attention, which the Triton plane kernels do not serve",
         )
 
     def check_model(self, shape):
@@ -372,12 +393,15 @@ def compiled_query_adaptive_attention(
     exact_k: torch.Tensor | None = None,
     exact_v: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
+    backend: str = "compiled",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`blockwise_query_adaptive_attention` through the compiled CPU kernels
-    (``kvbench/kernels/cpu/planes.cpp``): the allocation, the key scores and the value mix are one
-    call each over the whole store, reading only the planes some row's prefix needs, so the ops of a
-    read do not grow with the context. Same results up to float reassociation, and to the order in
-    which gains tied at the budget's threshold are taken (lowest item first here)."""
+    (``kvbench/kernels/cpu/planes.cpp``) or their Triton twins
+    (:class:`~kvbench.kernels.triton_planes.TritonPlanes`, ``backend="triton"``): the allocation,
+    the key scores and the value mix are one call each over the whole store, reading only the
+    planes some row's prefix needs, so the ops of a read do not grow with the context. Same results
+    up to float reassociation, and to the order in which gains tied at the budget's threshold are
+    taken (lowest item first here). ``backend`` is what the run records as the reader."""
     q = query.float().contiguous()
     tq = keys.num_tokens
     rms_k = kernels.plane_rms(keys.scale, -2)  # [B, H, D]
@@ -392,7 +416,7 @@ def compiled_query_adaptive_attention(
     )
     if exact_v is not None and exact_v.shape[-2]:
         out = out + a[..., tq:] @ exact_v.float()
-    note_backend("compiled")
+    note_backend(backend)
     return out, pk, pv
 
 
@@ -424,7 +448,8 @@ class ReadKVLayer(CompositeLayer):
         self.read_steps = 0
         self.read_bytes_host = 0
         self.read_bytes_planes: torch.Tensor | None = None
-        self._adaptive: tuple | None = None  # (key store, value store, buffer k, buffer v, new k, new v)
+        # (key store, value store, buffer k, buffer v, new k, new v, whether every prefix is full)
+        self._adaptive: tuple | None = None
 
     def append(self, keys, values):
         self.k_res.append(keys)
@@ -435,7 +460,8 @@ class ReadKVLayer(CompositeLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         self._adaptive = None
-        if key_states.shape[-2] <= 2 and len(self.kq):
+        full = key_states.shape[-2] > 2  # not a decode query: read the stored tokens in full
+        if len(self.kq) and (not full or self.read_backend == "triton"):
             # views of storage that appends never overwrite: they stay valid after the append
             self._adaptive = (
                 PlaneStore.of(self.kq),
@@ -444,6 +470,7 @@ class ReadKVLayer(CompositeLayer):
                 self.v_res.data,
                 key_states,
                 value_states,
+                full,
             )
         return super().update(key_states, value_states, *args, **kwargs)
 
@@ -452,7 +479,7 @@ class ReadKVLayer(CompositeLayer):
         if adaptive is None or kwargs.get("softcap") is not None:
             return super().attend(module, query, keys, values, attention_mask, **kwargs)
         self._pending = None
-        kc, vc, k_buf, v_buf, new_k, new_v = adaptive
+        kc, vc, k_buf, v_buf, new_k, new_v, full = adaptive
         b, h, q_len, d = query.shape
         hk = new_k.shape[1]
         rep = h // hk
@@ -461,10 +488,19 @@ class ReadKVLayer(CompositeLayer):
         tq = kc.num_tokens
         kv_len = tq + exact_k.shape[-2]
         mask = grouped_additive_mask(attention_mask, b, hk, rep, q_len, kv_len, query.device)
-        kb, vb = budgets(self.read_bits, self.key_share, d, tq)
+        # a full read (longer queries, backend triton only) is every prefix at B bits: the stored
+        # B-bit reconstruction, as the blockwise path reads it
+        kb, vb = (d * self.bits, tq * self.bits) if full else budgets(self.read_bits, self.key_share, d, tq)
         scaling = kwargs.get("scaling") or module.scaling
-        reader = read_kernels(self.read_backend, query.device)
-        if isinstance(reader, CompiledReader):  # its planes have no Triton reader: torch on CUDA
+        if self.read_backend == "triton":
+            from kvbench.kernels.triton_planes import triton_planes  # imports triton
+
+            out, pk, pv = compiled_query_adaptive_attention(
+                triton_planes(), qf, kc, vc, self.bits, kb, vb, scaling, exact_k, exact_v, mask, "triton"
+            )
+            if full:
+                return out.reshape(b, h, q_len, d).transpose(1, 2).contiguous().to(query.dtype), None
+        elif isinstance(reader := read_kernels(self.read_backend, query.device), CompiledReader):
             out, pk, pv = compiled_query_adaptive_attention(
                 reader.k, qf, kc, vc, self.bits, kb, vb, scaling, exact_k, exact_v, mask
             )
