@@ -312,7 +312,6 @@ def test_ott_on_triton_reads_its_outlier_pools():
 @pytest.mark.parametrize(
     "node",
     [
-        {"name": "readkv", "sink_tokens": 4},  # behind a sink the planes would be read in torch
         {"name": "semkv", "metric": "attn_sum"},  # scores a reconstructed cache
         {"name": "specache"},  # its own substitution path
         {"name": "h2o"},  # eviction: its own attention
