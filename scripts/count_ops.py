@@ -20,30 +20,54 @@ sequence of forwards. DynamicCache is filled the same way and stepped with SDPA.
     python scripts/count_ops.py                       # 8K and 32K; writes benchmarks/count_ops.{md,csv}
     python scripts/count_ops.py --quick               # 1K and 4K
     python scripts/count_ops.py --contexts 2048 --only kivi DynamicCache --sites
+    python scripts/count_ops.py --backend triton --threads 2 --sites   # benchmarks/count_ops_triton.{md,csv}
+
+``--backend triton`` counts every method that allows that backend (the others are listed as
+refused, with their one line); Triton launches dispatch no aten op, so they are counted as
+operations by kernel name (``triton::NAME``). Without CUDA the kernels run under Triton's CPU
+interpreter (``TRITON_INTERPRET=1`` is set here before anything imports triton), which counts the same
+launches as a GPU would and is slow.
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
-import gc
-import platform
+import os
 import sys
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-from kvbench.builder import LoadedModel
-from kvbench.cache import ATTN_IMPLEMENTATION, use_kvbench_attention
-from kvbench.cache.capture import AttentionModule
-from kvbench.errors import ConfigError
-from kvbench.generate import ModelRunner
-from kvbench.kernels.counting import OpCounts, count_ops
-from kvbench.methods import METHODS, build_method
-from kvbench.models.shape import shape_of_config
+def _asks_triton(argv: list[str]) -> bool:
+    return any(a == "--backend=triton" for a in argv) or any(
+        a == "--backend" and nxt == "triton" for a, nxt in zip(argv, argv[1:], strict=False)
+    )
+
+
+# The interpreter is chosen when a kernel is decorated: decide before anything imports triton.
+if _asks_triton(sys.argv[1:]):
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import gc  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig  # noqa: E402
+
+from kvbench.builder import LoadedModel  # noqa: E402
+from kvbench.cache import ATTN_IMPLEMENTATION, use_kvbench_attention  # noqa: E402
+from kvbench.cache.capture import AttentionModule  # noqa: E402
+from kvbench.errors import ConfigError  # noqa: E402
+from kvbench.generate import ModelRunner  # noqa: E402
+from kvbench.kernels import cpu  # noqa: E402
+from kvbench.kernels.counting import OpCounts, count_ops  # noqa: E402
+from kvbench.methods import METHODS, build_method  # noqa: E402
+from kvbench.models.shape import shape_of_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_BITS = 2
@@ -99,10 +123,10 @@ def build_model(geometry: dict, dtype: torch.dtype = torch.float32) -> LoadedMod
     )
 
 
-def method_node(name: str) -> dict:
+def method_node(name: str, backend: str | None = None) -> dict:
     """The registry's node for ``name`` at :data:`BENCH_BITS` where the method accepts that width,
-    else its defaults; offline calibration off where the config has it."""
-    node = {"name": name}
+    else its defaults; offline calibration off where the config has it; ``backend`` where given."""
+    node = {"name": name} if backend is None else {"name": name, "backend": backend}
     if "calibrate" in METHODS.get(name).Config.__dataclass_fields__:
         node["calibrate"] = False
     try:
@@ -163,10 +187,13 @@ class Row:
     context: int
     counts: OpCounts
     seconds: float  # of the counted step, counting overhead included (not a timing)
+    read_by: str = ""  # the backends that read the stored tokens in the counted step
 
 
-def count_method(loaded: LoadedModel, name: str, prompt: Prompt, sites: bool) -> Row:
-    method = build_method(method_node(name))
+def count_method(
+    loaded: LoadedModel, name: str, prompt: Prompt, sites: bool, backend: str | None = None
+) -> Row:
+    method = build_method(method_node(name, backend))
     runner = loaded.runner(method)
     cache = runner.new_cache()
     fill(runner, cache, prompt)
@@ -174,9 +201,21 @@ def count_method(loaded: LoadedModel, name: str, prompt: Prompt, sites: bool) ->
     for t in warmup:
         runner.decode_step(torch.tensor([[t]]), cache)
     t0 = time.perf_counter()
+    cpu.forget_backends_seen()
     with count_ops(sites=sites) as counts:
         runner.decode_step(torch.tensor([[counted]]), cache)
-    return Row(method.label(), prompt.ids.shape[1], counts, time.perf_counter() - t0)
+    return Row(method.label(), prompt.ids.shape[1], counts, time.perf_counter() - t0, cpu.backend_in_use())
+
+
+def refusals(backend: str | None) -> dict[str, str]:
+    """Methods that refuse ``backend``: name -> their one-line error."""
+    out = {}
+    for name in METHODS.names():
+        try:
+            build_method(method_node(name, backend))
+        except ConfigError as e:
+            out[name] = str(e)
+    return out
 
 
 @torch.no_grad()
@@ -199,17 +238,23 @@ def count_dynamic(loaded: LoadedModel, prompt: Prompt, sites: bool) -> Row:
 
 
 def count_all(
-    loaded: LoadedModel, contexts: list[int], only: list[str] | None = None, sites: bool = False, log=None
+    loaded: LoadedModel,
+    contexts: list[int],
+    only: list[str] | None = None,
+    sites: bool = False,
+    log=None,
+    backend: str | None = None,
 ) -> list[Row]:
     rows = []
-    names = [n for n in (REFERENCE, *METHODS.names()) if not only or n in only]
+    refused = refusals(backend) if backend else {}
+    names = [n for n in (REFERENCE, *METHODS.names()) if (not only or n in only) and n not in refused]
     for n in contexts:
         prompt = random_prompt(loaded, n, WARMUP_STEPS + 1)
         for name in names:
             row = (
                 count_dynamic(loaded, prompt, sites)
                 if name == REFERENCE
-                else count_method(loaded, name, prompt, sites)
+                else count_method(loaded, name, prompt, sites, backend)
             )
             rows.append(row)
             if log is not None:
@@ -236,14 +281,14 @@ def sync_summary(counts: OpCounts) -> str:
 def table(rows: list[Row]) -> str:
     ratio = ratios(rows)
     lines = [
-        "| method | context | ops/step | syncs/step | ops vs DynamicCache | syncs by kind |",
-        "|:--|--:|--:|--:|--:|:--|",
+        "| method | context | ops/step | syncs/step | ops vs DynamicCache | syncs by kind | read by |",
+        "|:--|--:|--:|--:|--:|:--|:--|",
     ]
     for r in rows:
         x = ratio.get((r.label, r.context))
         lines.append(
             f"| {r.label} | {r.context} | {r.counts.total_ops} | {r.counts.total_syncs} | "
-            f"{'' if x is None else f'{x:.2f}'} | {sync_summary(r.counts)} |"
+            f"{'' if x is None else f'{x:.2f}'} | {sync_summary(r.counts)} | {r.read_by} |"
         )
     return "\n".join(lines)
 
@@ -257,13 +302,23 @@ def sites_section(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-def write(rows: list[Row], out: Path, argv: list[str], geometry: str) -> None:
+def write(
+    rows: list[Row], out: Path, argv: list[str], geometry: str, refused: dict[str, str] | None = None
+) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     ratio = ratios(rows)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(
-            ["method", "context", "ops_per_step", "syncs_per_step", "ops_ratio_dynamic", "syncs_by_kind"]
+            [
+                "method",
+                "context",
+                "ops_per_step",
+                "syncs_per_step",
+                "ops_ratio_dynamic",
+                "syncs_by_kind",
+                "read_by",
+            ]
         )
         for r in rows:
             x = ratio.get((r.label, r.context))
@@ -275,6 +330,7 @@ def write(rows: list[Row], out: Path, argv: list[str], geometry: str) -> None:
                     r.counts.total_syncs,
                     "" if x is None else f"{x:.3f}",
                     sync_summary(r.counts),
+                    r.read_by,
                 ]
             )
     sites = sites_section(rows)
@@ -292,6 +348,9 @@ def write(rows: list[Row], out: Path, argv: list[str], geometry: str) -> None:
         "",
         table(rows),
     ]
+    if refused:
+        text += ["", "Methods that refuse this backend (their one-line error):", ""]
+        text += [f"- {name}: {line}" for name, line in sorted(refused.items())]
     if sites:
         text += ["", "Where the syncs are issued (innermost frame outside torch):", "", sites]
     out.with_suffix(".md").write_text("\n".join(text) + "\n")
@@ -307,8 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sites", action="store_true", help="record where every sync is issued")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "count_ops.md")
+    p.add_argument(
+        "--backend", choices=["auto", "torch", "triton"], default=None, help="every method's backend"
+    )
+    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/count_ops[_BACKEND].md")
     args = p.parse_args(argv)
+    out = (
+        args.out
+        or ROOT / "benchmarks" / f"count_ops{'' if args.backend in (None, 'auto') else '_' + args.backend}.md"
+    )
     if args.threads:
         torch.set_num_threads(args.threads)
     contexts = [1024, 4096] if args.quick else args.contexts
@@ -320,9 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         "intermediate 14336, vocab 1024)"
     )
     loaded = build_model(geometry, getattr(torch, args.dtype))
-    rows = count_all(loaded, contexts, args.only, args.sites, log=sys.stderr)
+    rows = count_all(loaded, contexts, args.only, args.sites, log=sys.stderr, backend=args.backend)
     print(table(rows))
-    write(rows, args.out, argv, f"{described}, {args.dtype} weights")
+    refused = refusals(args.backend) if args.backend else {}
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and args.backend == "triton":
+        described += "; Triton kernels under the CPU interpreter (TRITON_INTERPRET=1)"
+    write(rows, out, argv, f"{described}, {args.dtype} weights", refused)
     return 0
 
 

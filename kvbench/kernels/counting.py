@@ -24,6 +24,12 @@ on a machine with a device; the value-reading kinds show everywhere.
 
 Only what reaches the dispatcher is counted: work inside one aten kernel is one operation, and an
 operation a composite decomposes into is counted in its parts.
+
+Triton launches reach no dispatcher, so a launch inside the block is counted as one operation named
+``triton::KERNEL`` (by patching the launch entry of triton's JIT and interpreter functions for the
+block's duration, where triton is already imported). Under the CPU interpreter a launch runs its
+program instances in Python on the host; what the interpreter dispatches or reads on the way is
+its own emulation of the device, not the step's, and is not counted.
 """
 
 from __future__ import annotations
@@ -145,9 +151,12 @@ class _DispatchCounter(TorchDispatchMode):
         super().__init__()
         self.counts, self.sites = counts, sites
         self.host_read_depth = 0  # inside a tolist()/numpy() already counted as one sync
+        self.launch_depth = 0  # inside a Triton launch, counted as one operation
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.launch_depth:
+            return func(*args, **kwargs)
         name = func._schema.name
         self.counts.ops[name] += 1
         if not self.host_read_depth:
@@ -167,7 +176,12 @@ class _HostReadCounter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name not in HOST_READS or not args or not isinstance(args[0], torch.Tensor):
+        if (
+            self.dispatch.launch_depth
+            or name not in HOST_READS
+            or not args
+            or not isinstance(args[0], torch.Tensor)
+        ):
             return func(*args, **kwargs)
         kind = f"Tensor.{name}"
         self.counts.syncs[kind] += 1
@@ -186,5 +200,46 @@ def count_ops(sites: bool = False) -> Iterator[OpCounts]:
     also record where every sync was issued (a stack walk per sync; for diagnosis)."""
     counts = OpCounts()
     dispatch = _DispatchCounter(counts, sites)
-    with _HostReadCounter(counts, dispatch, sites), dispatch:
+    with _counting_launches(counts, dispatch), _HostReadCounter(counts, dispatch, sites), dispatch:
         yield counts
+
+
+def _launch_classes() -> list[type]:
+    """The classes whose ``run`` launches a Triton kernel, where triton is already imported (a block
+    that imports it for the first time cannot have been launching before)."""
+    import sys
+
+    classes = []
+    jit = sys.modules.get("triton.runtime.jit")
+    if jit is not None:
+        classes.append(jit.JITFunction)
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    if interpreter is not None:
+        classes.append(interpreter.InterpretedFunction)
+    return classes
+
+
+@contextmanager
+def _counting_launches(counts: OpCounts, dispatch: _DispatchCounter) -> Iterator[None]:
+    patched = [(cls, cls.__dict__["run"]) for cls in _launch_classes() if "run" in cls.__dict__]
+
+    def wrap(run):
+        def counted(self, *args, grid, warmup, **kwargs):
+            if warmup or dispatch.launch_depth:
+                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+            counts.ops[f"triton::{getattr(self, '__name__', '?')}"] += 1
+            dispatch.launch_depth += 1
+            try:
+                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+            finally:
+                dispatch.launch_depth -= 1
+
+        return counted
+
+    for cls, run in patched:
+        cls.run = wrap(run)
+    try:
+        yield
+    finally:
+        for cls, run in patched:
+            cls.run = run

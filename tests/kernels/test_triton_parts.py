@@ -351,3 +351,23 @@ def test_several_blocks_and_token_slices(monkeypatch):
     codes, scale, zero = quantize_grouped(x, 5, "token", 16)
     assert_matches(PerTokenAffineSource(pack(codes, 5), scale, zero, 5, 16, 64), 64, 4)
     assert_matches(FullPrecisionSource(x.half()), 64, 6)
+
+
+def test_a_triton_launch_counts_as_one_operation_by_its_kernel_name():
+    """count_ops sees no dispatcher call for a launch: each is counted as ``triton::KERNEL``, once
+    per launch, and what the interpreter does inside it is not counted (nor taken for a sync)."""
+    part = FullPrecisionSource(torch.randn(1, 2, 100, 64))
+    query, weights = torch.randn(1, 2, 4, 64), torch.rand(1, 2, 4, 100)
+    READER.scores(part, query)  # the first call rewrites the kernel: outside the count
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    entries = (InterpretedFunction.run, JITFunction.run)
+    with count_ops() as counts:
+        READER.scores(part, query)
+        READER.mix(part, weights)
+        READER.mix(part, weights)
+    launches = {name: n for name, n in counts.ops.items() if name.startswith("triton::")}
+    assert sum(launches.values()) == 3 and len(launches) == 1, counts.ops
+    assert counts.total_syncs == 0
+    assert (InterpretedFunction.run, JITFunction.run) == entries  # the launch entries restored

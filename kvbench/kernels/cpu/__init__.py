@@ -139,6 +139,11 @@ def backend_in_use() -> str:
     return "+".join(sorted(used)) if used else "none"
 
 
+def forget_backends_seen() -> None:
+    """Start a fresh record of the backends that read (a script measuring one step of one cache)."""
+    _state["used"] = set()
+
+
 def reset_for_tests() -> None:
     """Forget the build attempt and the backends seen (tests that monkeypatch the build)."""
     _state.update(module=None, tried=False, error=None, used=set())
