@@ -50,6 +50,17 @@ if [[ $DRY == 0 ]]; then
         124) status+=("pytest -m cuda (kernels): TIMED OUT after ${PYTEST_TIMEOUT}s"); failed=1 ;;
         *) status+=("pytest -m cuda (kernels): FAILED (exit $rc)"); failed=1 ;;
     esac
+    # every stored part read by TritonReader against its torch reference, on the device (the
+    # interpreter-only method tests in the file skip themselves)
+    echo "== pytest: TritonReader part parity on CUDA (timeout ${PYTEST_TIMEOUT}s)"
+    timeout "$PYTEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
+        tests/kernels/test_triton_parts.py 2>&1 | tail -n 15
+    rc=${PIPESTATUS[0]}
+    case $rc in
+        0) status+=("pytest (TritonReader parts): ok") ;;
+        124) status+=("pytest (TritonReader parts): TIMED OUT after ${PYTEST_TIMEOUT}s"); failed=1 ;;
+        *) status+=("pytest (TritonReader parts): FAILED (exit $rc)"); failed=1 ;;
+    esac
 fi
 
 echo "== scripts/gpu_check.py ${ARGS[*]} (timeout ${CHECK_TIMEOUT}s)"

@@ -8,6 +8,7 @@ that are not a multiple of the blocks, so the masked tails are read.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import sys
@@ -34,6 +35,33 @@ from kvbench.quant.rope import cos_sin
 
 B, H = 2, 2
 READER = TritonReader()
+# The part-level tests run on CUDA where there is one (scripts/gpu_check.sh runs this file there);
+# the method-level ones build their model on the CPU and are the interpreter's.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+interpreter_only = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="CPU model under the interpreter; gpu_check.py's decode runs methods on CUDA",
+)
+
+
+def on_device(x):
+    """``x`` (a source, a tensor, or a tuple/list of them) with every tensor it holds on
+    :data:`DEVICE`; the CPU original is left as it is, so the reference reads the same values."""
+    if DEVICE.type == "cpu":
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.to(DEVICE)
+    if isinstance(x, (tuple, list)):
+        return type(x)(on_device(v) for v in x)
+    if hasattr(x, "__dict__") and not isinstance(x, type):
+        moved = copy.copy(x)
+        for name, value in vars(x).items():
+            if isinstance(value, (torch.Tensor, tuple, list)) or type(value).__module__.startswith(
+                "kvbench."
+            ):
+                setattr(moved, name, on_device(value))
+        return moved
+    return x
 
 
 def gen(seed: int) -> torch.Generator:
@@ -47,9 +75,10 @@ def assert_matches(part, d: int, rows: int, seed: int = 0, mix: bool = True) -> 
     t = part.num_tokens
     query = torch.randn(B, H, rows, d, generator=g)
     weights = torch.rand(B, H, rows, t, generator=g)
-    pairs = [(READER.scores(part, query), part.scores(query, 0, t))]
+    dev = on_device(part)
+    pairs = [(READER.scores(dev, query.to(DEVICE)).cpu(), part.scores(query, 0, t))]
     if mix:
-        pairs.append((READER.mix(part, weights), part.mix(weights, 0, t)))
+        pairs.append((READER.mix(dev, weights.to(DEVICE)).cpu(), part.mix(weights, 0, t)))
     for got, want in pairs:
         assert got.dtype == torch.float32 and got.shape == want.shape
         scale = want.abs().max().item()
@@ -187,6 +216,7 @@ def test_rotated_codes_of_turboquant():
 # -- what the reader refuses ----------------------------------------------------------------------
 
 
+@interpreter_only
 def test_strict_reader_refuses_an_uncovered_part_and_auto_falls_back():
     part = codebook_part(4, 64, 40, "per_token", 0, rotation=True)
     one = torch.ones(1)
@@ -198,6 +228,7 @@ def test_strict_reader_refuses_an_uncovered_part_and_auto_falls_back():
     assert TritonReader(strict=False).scores(part, query) is None  # its torch reference runs
 
 
+@interpreter_only
 def test_read_kernels_picks_triton_for_the_triton_backend():
     cpu.reset_for_tests()
     reader = read_kernels("triton", "cpu")
@@ -273,6 +304,7 @@ def decode_step(case: str, backend: str, context: int):
     return logits, counts, cpu.backend_in_use(), cache
 
 
+@interpreter_only
 @pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("case", list(TRITON_METHODS))
 def test_triton_decode_step_matches_torch(case, context):
@@ -283,6 +315,7 @@ def test_triton_decode_step_matches_torch(case, context):
     assert counts.total_ops > 100
 
 
+@interpreter_only
 @pytest.mark.parametrize(
     "case",
     [
@@ -296,6 +329,7 @@ def test_triton_decode_step_is_fixed_and_never_waits(case):
     assert short.total_syncs == long.total_syncs == 0, long.describe_syncs()
 
 
+@interpreter_only
 def test_ott_on_triton_reads_its_outlier_pools():
     """OTT used to inherit KIVI's fused kernel, which reads no pool (its attention then differed
     from torch's). Its layers now never take that kernel, and with full pools in every layer the
@@ -324,6 +358,7 @@ def test_methods_without_triton_coverage_are_refused_in_one_line(node):
     assert info.value.key == "method.backend" and "triton" in message and "\n" not in message
 
 
+@interpreter_only
 def test_an_empty_part_reads_as_nothing():
     part = FullPrecisionSource(torch.randn(B, H, 0, 64))
     assert READER.scores(part, torch.randn(B, H, 4, 64)).shape == (B, H, 4, 0)
@@ -353,6 +388,7 @@ def test_several_blocks_and_token_slices(monkeypatch):
     assert_matches(FullPrecisionSource(x.half()), 64, 6)
 
 
+@interpreter_only
 def test_a_triton_launch_counts_as_one_operation_by_its_kernel_name():
     """count_ops sees no dispatcher call for a launch: each is counted as ``triton::KERNEL``, once
     per launch, and what the interpreter does inside it is not counted (nor taken for a sync)."""
