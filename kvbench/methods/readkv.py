@@ -492,7 +492,10 @@ class ReadKVLayer(CompositeLayer):
         # B-bit reconstruction, as the blockwise path reads it
         kb, vb = (d * self.bits, tq * self.bits) if full else budgets(self.read_bits, self.key_share, d, tq)
         scaling = kwargs.get("scaling") or module.scaling
-        if self.read_backend == "triton":
+        reader = read_kernels(self.read_backend, query.device)
+        # a reader that is not the compiled one is Triton's (triton, or auto on a CUDA device with
+        # triton): its planes have their own kernels
+        if reader is not None and not isinstance(reader, CompiledReader):
             from kvbench.kernels.triton_planes import triton_planes  # imports triton
 
             out, pk, pv = compiled_query_adaptive_attention(
@@ -500,7 +503,7 @@ class ReadKVLayer(CompositeLayer):
             )
             if full:
                 return out.reshape(b, h, q_len, d).transpose(1, 2).contiguous().to(query.dtype), None
-        elif isinstance(reader := read_kernels(self.read_backend, query.device), CompiledReader):
+        elif isinstance(reader, CompiledReader):
             out, pk, pv = compiled_query_adaptive_attention(
                 reader.k, qf, kc, vc, self.bits, kb, vb, scaling, exact_k, exact_v, mask
             )
