@@ -24,12 +24,15 @@ padded batch, so the 2-D attention mask and the model's mask arguments line up; 
 from them are not read by the per-sequence attention.
 
 Why not the native batched storage (one ``[B, H_kv, T, D]`` store per layer) for an unpadded batch
-of equal lengths: several methods are not per-row with it. ``random_prune`` draws one
-``[B, H_kv, n]`` score tensor from a generator seeded per (seed, layer), so rows past the first
-keep other tokens than alone; eviction budgets, SemKV's running allocator and ReadKV's bit
-allocations are counted over the whole tensor. Rather than certify each method's batch rows
-separately, every batch takes the per-sequence path, which is exact by construction: the method
-code that runs for sequence i is the batch-1 code on sequence i's tensors. What is batched is
+of equal lengths: not every method is per-row with it. Measured on the tiny Llama of
+tests/test_batched_decode.py (3 distinct prompts of 30 tokens, 8 greedy tokens, native cache
+against each prompt alone): ``random_prune`` draws one ``[B, H_kv, n]`` score tensor from a
+generator seeded per (seed, layer), so rows past the first keep other tokens than alone (rows 2
+and 3 diverged); uncalibrated ``kvquant`` diverged on row 3; the other twelve matched there, but
+that is one setting, not a proof (budgets, allocators and outlier counts are per-tensor
+quantities in several stores). So every batch takes the per-sequence path, which is exact by
+construction: the method code that runs for sequence i is the batch-1 code on sequence i's
+tensors. What is batched is
 everything outside attention (embeddings, projections, MLPs, the LM head), the bulk of a decode
 step's FLOPs at short and moderate context; the attention calls are B per layer.
 

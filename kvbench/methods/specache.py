@@ -424,6 +424,16 @@ class SpeCacheCache(KVBenchCache):
                 layer.plan = layer.default_plan if plan is None else plan
 
 
+def _hand_out(caches: list[SpeCacheCache], tokens: torch.Tensor) -> None:
+    """Speculative tokens ``[R, 1]``: row r to ``caches[r]``; one cache (batch 1, or a native batch
+    whose layers hold every row) takes them all."""
+    if len(caches) == 1:
+        caches[0].speculative = tokens
+        return
+    for r, c in enumerate(caches):
+        c.speculative = tokens[r : r + 1]
+
+
 @register_method("specache")
 class SpeCache(Method):
     Config = SpeCacheConfig
@@ -457,8 +467,7 @@ class SpeCache(Method):
                 for c in caches:
                     c.set_plan(PRE_DECODE)
                 first = runner.forward(input_ids, cache)[:, -1].argmax(-1, keepdim=True)
-                for r, c in enumerate(caches):
-                    c.speculative = first[r : r + 1]
+                _hand_out(caches, first)
             for c in caches:
                 c.set_plan(SPECULATIVE_STEP)
             speculative = caches[0].speculative
@@ -469,9 +478,7 @@ class SpeCache(Method):
         finally:
             for c in caches:
                 c.set_plan(None)
-        nxt = logits[:, 1].argmax(-1, keepdim=True)
-        for r, c in enumerate(caches):
-            c.speculative = nxt if len(caches) == 1 else nxt[r : r + 1]
+        _hand_out(caches, logits[:, 1].argmax(-1, keepdim=True))
         return logits[:, :1]
 
     def base_label(self) -> str:
