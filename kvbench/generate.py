@@ -240,15 +240,18 @@ class ModelRunner:
         active = list(range(batch)) if max_new_tokens > 0 else []
         t0 = time.perf_counter()
         while active:
+            if keep_logits:
+                for r, s in enumerate(active):
+                    kept[s].append(logits[r])
+            barred = [r for r, s in enumerate(active) if len(tokens[s]) < min_new_tokens]
+            if barred and stops:
+                logits = logits.clone()
+                rows = torch.tensor(barred, device=logits.device)[:, None]
+                logits[rows, torch.tensor(sorted(stops), device=logits.device)[None, :]] = float("-inf")
+            choices = logits.argmax(-1).tolist()  # one host sync per step for the whole batch
             going, feed = [], []
             for r, s in enumerate(active):
-                step = logits[r]
-                if keep_logits:
-                    kept[s].append(step)
-                if len(tokens[s]) < min_new_tokens:
-                    step = step.clone()
-                    step[list(stops)] = float("-inf")
-                nxt = int(step.argmax())
+                nxt = choices[r]
                 if nxt in stops:
                     stopped[s] = True
                     continue

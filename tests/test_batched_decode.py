@@ -127,6 +127,16 @@ def test_per_sequence_stop(llama, case):
     assert any(not g.stopped and len(g.token_ids) == STEPS for g in alone), "no sequence ran on"
 
 
+def test_min_new_tokens_per_sequence(llama):
+    """Stops are barred from each sequence's first ``min_new_tokens`` positions, as alone: the
+    sequence whose first greedy token is the stop token takes the runner-up there."""
+    runner = runner_for(llama, node_for("kivi"))
+    prompts = prompts_of(RAGGED)
+    stop = runner.generate(prompts[2], 1).token_ids[0]
+    alone = assert_batch_equals_alone(runner, prompts, stop_token_ids=(stop,), min_new_tokens=1)
+    assert alone[2].token_ids and alone[2].token_ids[0] != stop
+
+
 def test_no_pad_enters_storage(llama):
     """After a ragged prefill each sequence's layers hold exactly its real tokens, and what they
     hold reads back as the alone cache's (pads would add tokens and shift KIVI's groups)."""
