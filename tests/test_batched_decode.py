@@ -43,10 +43,15 @@ NODES: dict[str, dict] = {
     "random_prune": {"budget": 16, "window": 4},
 }  # fmt: skip
 # Method hooks that keep per-forward or per-request state outside the layers: SemKV's logit and
-# hidden-state metrics (after_forward), SpeCache without speculation (exact fetch).
+# hidden-state metrics (after_forward) and its attention metric (scored in attend), SpeCache without
+# speculation (exact fetch); KVQuant's pre-RoPE keys (stored un-rotated, so each sequence's own
+# positions must be the alone run's).
 EXTRA = {
     "semkv-surprisal": {"name": "semkv", "chunk": 4, "metric": "surprisal"},
     "semkv-hidden_change": {"name": "semkv", "chunk": 4, "metric": "hidden_change"},
+    "semkv-attn_sum": {"name": "semkv", "chunk": 4, "metric": "attn_sum"},
+    "kvquant-pre_rope": {"name": "kvquant", "bits": 2, "calibrate": False, "pre_rope": True,
+                         "datatype": "uniform"},
     "specache-exact": {"name": "specache", "bits": 2, "residual": 8, "group_size": 8, "topk": 4,
                        "speculative": False},
 }  # fmt: skip
