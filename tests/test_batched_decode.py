@@ -8,6 +8,11 @@ enough that it quantizes, evicts, allocates or prefetches at these lengths (prom
 tokens, 8 new tokens): KIVI/OTT/SpeCache windows of 4-8 tokens and token groups of 8, SemKV
 chunks of 4, eviction budgets of 16 tokens, so group boundaries, eviction rounds and allocation
 units fall at different places in the sequences of one batch.
+
+Logit tolerance: a batched decode step's projections may differ from batch 1's in the last bit
+(another summation order), which can push a value across a quantization boundary and flip one
+code; here that moves logits by ~1e-4 at most. A stored pad or a wrong position moves them by
+O(0.1), so ``atol=1e-3`` separates the two.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ def assert_batch_equals_alone(runner, prompts, **kw):
         fed = a.token_ids + ([] if not a.stopped else [int(b.extra["logits"][-1].argmax())])
         want, _ = kvbench_logits(runner, p, fed) if fed else (torch.empty(0), None)
         assert b.extra["logits"].shape == want.shape
-        torch.testing.assert_close(b.extra["logits"], want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.extra["logits"], want, rtol=1e-4, atol=1e-3)
     return alone
 
 

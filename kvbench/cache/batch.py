@@ -36,8 +36,13 @@ tensors. What is batched is
 everything outside attention (embeddings, projections, MLPs, the LM head), the bulk of a decode
 step's FLOPs at short and moderate context; the attention calls are B per layer.
 
-Outputs equal the alone run's up to the float rounding of batched matrix products (a row of a
-``[B*T, K] x [K, N]`` product may be summed in another order than the ``[T, K]`` one).
+Outputs equal the alone run's up to the float rounding of batched matrix products: a decode step's
+``[R, K] x [K, N]`` projections may sum in another order than batch 1's ``[1, K]`` ones (on this
+CPU the prefill rows came out bitwise equal, the decode rows within ~1e-6). A method's discrete
+decisions can amplify such a last-bit difference: a value at a rounding boundary takes the
+neighbouring code, two near-tied scores swap in a top-k (SemKV on the tiny Qwen2: same tokens and
+bytes, logits 4e-2 apart after a decode chunk's allocation). Tokens and storage sizes are
+unaffected unless the decision is itself a near-tie of the greedy choice.
 
 Finished sequences leave the batch (:meth:`SequenceBatchCache.keep`): later forwards carry only
 the rows still decoding, so a finished sequence's storage stays exactly as it was when it stopped,
