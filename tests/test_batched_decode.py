@@ -11,8 +11,11 @@ units fall at different places in the sequences of one batch.
 
 Logit tolerance: a batched decode step's projections may differ from batch 1's in the last bit
 (another summation order), which can push a value across a quantization boundary and flip one
-code; here that moves logits by ~1e-4 at most. A stored pad or a wrong position moves them by
-O(0.1), so ``atol=1e-3`` separates the two.
+code; here that moves logits by ~1e-4 at most. Positions shifted by the pad count (no
+``cumsum(mask) - 1``) move a quantizing method's logits by ~0.3, and its stored keys by ~5 (checked
+by breaking the runner on purpose), so ``atol=1e-3`` separates the two. FP16 alone would not see
+that shift: RoPE attention depends on relative positions only, hence :func:`test_no_pad_enters_storage`
+compares the stored keys themselves.
 """
 
 from __future__ import annotations
