@@ -222,9 +222,11 @@ class ModelRunner:
         stop strings, ``max_new_tokens``): a sequence that stops leaves the batch and its cache is
         no longer fed, so its storage is what it is alone. Each sequence has its own cache of the
         method (:meth:`new_batch_cache`, path ``per_sequence``, recorded as ``extra["batch_path"]``);
-        ``prefill_s``/``decode_s`` are the whole batch's. ``keep_logits``: ``extra["logits"]`` is
-        the float32 ``[steps, vocab]`` of the logits that chose each token (the stop token's
-        included), before the ``min_new_tokens`` rule."""
+        ``prefill_s``/``decode_s`` are the whole batch's. :meth:`Method.new_request` is called once
+        for the batch (every sequence plans the same ``max_new_tokens - 1`` stored tokens, as alone),
+        :meth:`Method.end_request` once per sequence with its own cache. ``keep_logits``:
+        ``extra["logits"]`` is the float32 ``[steps, vocab]`` of the logits that chose each token
+        (the stop token's included), before the ``min_new_tokens`` rule."""
         stops = self.eos_ids | set(stop_token_ids)
         input_ids, mask = self.pad_batch(prompts, pad_token_id)
         batch = input_ids.shape[0]
