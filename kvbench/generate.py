@@ -10,6 +10,12 @@ these two, so every method hook is honoured the same way everywhere.
 Both call :meth:`Method.after_forward` after every forward (:meth:`ModelRunner.forward`). Batch size 1
 (one sample at a time, as the papers evaluate); the model's own forward is used unchanged, with the
 method's cache passed as ``cache=``.
+
+- :meth:`ModelRunner.generate_batch`: B prompts of any lengths at once, left-padded, each sequence in
+  its own cache of the method (:mod:`kvbench.cache.batch`, the ``per_sequence`` path), so that each
+  sequence's tokens equal its :meth:`ModelRunner.generate` alone and its logits do up to the
+  rounding of batched matrix products. The tasks still run batch 1: their stored results and run
+  ids do not depend on this path.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench.cache import KVBenchCache, MemoryReport, memory_report
+from kvbench.cache.batch import SequenceBatchCache, sequence_caches
 from kvbench.cache.sliding import with_window_layers
 from kvbench.methods import Method, ModelShape
 
@@ -86,16 +93,34 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: KVBenchCache) -> torch.Tensor:
-        """``input_ids [1, t]`` appended to ``cache``; returns float32 logits ``[1, t, vocab]``."""
+        """``input_ids [1, t]`` appended to ``cache``; returns float32 logits ``[1, t, vocab]``. Over a
+        :class:`~kvbench.cache.batch.SequenceBatchCache`, ``input_ids [R, t]`` is one row per
+        sequence the cache currently carries (left-padded in the prefill), given the batch's
+        attention mask and each sequence's own positions (``cumsum(mask) - 1``, as transformers'
+        ``generate`` builds them); logits ``[R, t, vocab]``, pad positions meaningless."""
         input_ids = input_ids.to(self.device)
+        if isinstance(cache, SequenceBatchCache):
+            return self._forward_batch(input_ids, cache)
         logits = self.model(input_ids=input_ids, **cache.forward_kwargs()).logits.float()
         self.method.after_forward(cache, input_ids, logits)
         return logits
 
+    def _forward_batch(self, input_ids: torch.Tensor, cache: SequenceBatchCache) -> torch.Tensor:
+        q = input_ids.shape[1]
+        starts = cache.starts(q)
+        mask = cache.attention_mask(q, self.device)
+        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -q:]
+        logits = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **cache.forward_kwargs()
+        ).logits.float()
+        self.method.after_forward_batch(sequence_caches(cache), input_ids, logits, starts)
+        return logits
+
     def decode_step(self, input_ids: torch.Tensor, cache: KVBenchCache) -> torch.Tensor:
-        """Feed the token just chosen, ``input_ids [1, 1]``; returns the float32 logits ``[1, 1,
-        vocab]`` that choose the next one, through the method's :meth:`Method.decode_step` (one plain
-        :meth:`forward` unless the method drives its own step, as SpeCache does)."""
+        """Feed the token just chosen, ``input_ids [1, 1]`` (``[R, 1]`` over a batch cache); returns
+        the float32 logits ``[1, 1, vocab]`` (``[R, 1, vocab]``) that choose the next one, through
+        the method's :meth:`Method.decode_step` (one plain :meth:`forward` unless the method drives
+        its own step, as SpeCache does)."""
         return self.method.decode_step(self, cache, input_ids)
 
     def encode(self, text: str) -> torch.Tensor:
@@ -145,6 +170,124 @@ class ModelRunner:
         memory = memory_report(cache.layers)
         self.method.end_request(cache)
         return Generation(text, tokens, input_ids.shape[1], stopped, memory, prefill_s, decode_s)
+
+    def new_batch_cache(self, batch: int) -> SequenceBatchCache:
+        """A :class:`~kvbench.cache.batch.SequenceBatchCache` of ``batch`` fresh caches of the method
+        (:meth:`new_cache` each, so each sequence's storage is the batch-1 one). Refused on models
+        with sliding-window layers, whose window masks the per-sequence path does not replay."""
+        sliding = self.shape.sliding_layers()
+        if sliding:
+            raise NotImplementedError(
+                f"batched decoding is not supported on models with sliding-window layers "
+                f"(layers {sliding}): decode one sequence at a time"
+            )
+        return SequenceBatchCache([self.new_cache() for _ in range(batch)])
+
+    def pad_batch(self, prompts: list[torch.Tensor], pad_token_id: int | None = None):
+        """Left-pad ``prompts`` (each ``[1, T_i]`` or ``[T_i]``, ``T_i >= 1``): ``(input_ids [B, T_max],
+        attention_mask [B, T_max])``, 1 at real tokens. Left, so that every row's last column is its
+        newest token and decode steps append in one column. The pad id only has to be a valid token:
+        pad rows are never stored nor attended (:mod:`kvbench.cache.batch`)."""
+        rows = [torch.as_tensor(p).reshape(-1) for p in prompts]
+        if not rows or any(r.numel() == 0 for r in rows):
+            raise ValueError("generate_batch takes one or more prompts of at least one token each")
+        if pad_token_id is None:
+            pad_token_id = getattr(self.tokenizer, "pad_token_id", None)
+        pad = 0 if pad_token_id is None else int(pad_token_id)
+        longest = max(r.numel() for r in rows)
+        ids = torch.full((len(rows), longest), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, longest - r.numel() :] = r
+            mask[i, longest - r.numel() :] = 1
+        return ids, mask
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        prompts: list[torch.Tensor],
+        max_new_tokens: int,
+        stop_strings: tuple[str, ...] = (),
+        stop_token_ids: tuple[int, ...] = (),
+        min_new_tokens: int = 0,
+        pad_token_id: int | None = None,
+        keep_logits: bool = False,
+    ) -> list[Generation]:
+        """:meth:`generate` for several prompts at once (each ``[1, T_i]`` or ``[T_i]``, lengths may
+        differ): one :class:`Generation` per prompt, in order, each equal to that prompt's
+        :meth:`generate` alone (tokens, stop, memory report; logits up to float rounding).
+
+        The prompts are left-padded into one prefill forward; then greedy decoding, every step one
+        batched forward through the method's decode step, with per-sequence stop (EOS, stop ids,
+        stop strings, ``max_new_tokens``): a sequence that stops leaves the batch and its cache is
+        no longer fed, so its storage is what it is alone. Each sequence has its own cache of the
+        method (:meth:`new_batch_cache`, path ``per_sequence``, recorded as ``extra["batch_path"]``);
+        ``prefill_s``/``decode_s`` are the whole batch's. :meth:`Method.new_request` is called once
+        for the batch (every sequence plans the same ``max_new_tokens - 1`` stored tokens, as alone),
+        :meth:`Method.end_request` once per sequence with its own cache. ``keep_logits``:
+        ``extra["logits"]`` is the float32 ``[steps, vocab]`` of the logits that chose each token
+        (the stop token's included), before the ``min_new_tokens`` rule."""
+        stops = self.eos_ids | set(stop_token_ids)
+        input_ids, mask = self.pad_batch(prompts, pad_token_id)
+        batch = input_ids.shape[0]
+        self.method.new_request(max_new_tokens - 1)
+        cache = self.new_batch_cache(batch)
+        cache.set_padding(mask)
+        t0 = time.perf_counter()
+        logits = self.forward(input_ids, cache)[:, -1]
+        prefill_s = time.perf_counter() - t0
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        kept: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        stopped = [False] * batch
+        active = list(range(batch)) if max_new_tokens > 0 else []
+        t0 = time.perf_counter()
+        while active:
+            if keep_logits:
+                for r, s in enumerate(active):
+                    kept[s].append(logits[r])
+            barred = [r for r, s in enumerate(active) if len(tokens[s]) < min_new_tokens]
+            if barred and stops:
+                logits = logits.clone()
+                rows = torch.tensor(barred, device=logits.device)[:, None]
+                logits[rows, torch.tensor(sorted(stops), device=logits.device)[None, :]] = float("-inf")
+            choices = logits.argmax(-1).tolist()  # one host sync per step for the whole batch
+            going, feed = [], []
+            for r, s in enumerate(active):
+                nxt = choices[r]
+                if nxt in stops:
+                    stopped[s] = True
+                    continue
+                tokens[s].append(nxt)
+                if stop_strings and any(x in self.tokenizer.decode(tokens[s]) for x in stop_strings):
+                    stopped[s] = True
+                    continue
+                if len(tokens[s]) == max_new_tokens:
+                    continue
+                going.append(s)
+                feed.append(nxt)
+            if not going:
+                break
+            if going != active:
+                cache.keep(going)
+            active = going
+            logits = self.decode_step(torch.tensor(feed)[:, None], cache)[:, -1]
+        decode_s = time.perf_counter() - t0
+        out = []
+        for s in range(batch):
+            text = self.tokenizer.decode(tokens[s], skip_special_tokens=True)
+            for x in stop_strings:
+                text = text.split(x)[0]
+            sub = cache.sequences[s]
+            memory = memory_report(sub.layers)
+            self.method.end_request(sub)
+            extra = {"batch_path": cache.path, "batch_size": batch, "padded_length": input_ids.shape[1]}
+            if keep_logits:
+                extra["logits"] = torch.stack(kept[s]) if kept[s] else torch.empty(0)
+            prompt_tokens = int(mask[s].sum())
+            out.append(
+                Generation(text, tokens[s], prompt_tokens, stopped[s], memory, prefill_s, decode_s, extra)
+            )
+        return out
 
     @torch.no_grad()
     def score(

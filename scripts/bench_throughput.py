@@ -3,7 +3,17 @@ kivi-2 and kivi-1 (the max-batch tables of KIVI and SpeCache).
 
 For each method and context length, a batch of identical prompts is prefilled into the method's
 cache and decoded greedily for ``--new-tokens`` steps; throughput is generated tokens per second
-over the decode phase. The largest batch is found by doubling then bisecting, a batch "fits" when
+over the decode phase. Two paths, recorded in each row's ``path``:
+
+- ``native`` (default): one cache of the method whose layers hold the whole batch
+  (``[B, H_kv, T, D]``), fed by the model's own forward without the runner's per-step hooks; the
+  prompts are identical, so no row needs padding;
+- ``per_sequence`` (``--ragged``): prompts of ragged lengths (``context`` down to about half of it),
+  left-padded into one forward through :meth:`kvbench.generate.ModelRunner.forward` and
+  ``decode_step`` over a :class:`kvbench.cache.batch.SequenceBatchCache` (one cache of the method
+  per sequence, pads never stored, attention per sequence): the path whose outputs equal each
+  sequence's batch-1 run (tests/test_batched_decode.py). ``context`` is then the longest prompt.
+ The largest batch is found by doubling then bisecting, a batch "fits" when
 the run completes and its peak memory stays under ``--budget-gb``: on CUDA the peak is measured
 (``torch.cuda.max_memory_allocated``); on CPU it is the model's parameter bytes plus the KV bytes the
 cache holds (from its accounting) plus one layer's full-precision prefill states, which is an
@@ -11,6 +21,7 @@ estimate and is labelled as such in the output.
 
     python scripts/bench_throughput.py --model smollm2-135m --contexts 2048 8192 --budget-gb 40
     python scripts/bench_throughput.py --contexts 256 --batches 1 2 --new-tokens 4   # CPU smoke run
+    python scripts/bench_throughput.py --contexts 256 --batches 1 3 --new-tokens 4 --ragged
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import torch
 
 from kvbench.builder import LoadedModel, load_for_methods
 from kvbench.cache import memory_report
+from kvbench.cache.batch import PER_SEQUENCE
 from kvbench.methods import build_method
 from kvbench.models import model_node
 
@@ -35,22 +47,54 @@ METHODS = {
 }
 
 
+NATIVE = "native"
+
+
 def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def peak_bytes(loaded: LoadedModel, kv: int, batch: int, context: int, device: str) -> tuple[int, bool]:
+    """(peak bytes, measured?): CUDA's measured peak, or on CPU the estimate of the module docstring
+    (parameters + KV bytes held + one layer's full-precision prefill states)."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated(), True
+    shape, model = loaded.shape, loaded.model
+    one_layer_states = 2 * batch * shape.num_kv_heads * context * shape.head_dim * model.dtype.itemsize
+    return param_bytes(model) + kv + one_layer_states, False
+
+
+def ragged_lengths(batch: int, context: int) -> list[int]:
+    """``batch`` prompt lengths from ``context`` down to about ``context / 2``, evenly spaced."""
+    return [max(1, context - (i * context) // (2 * batch)) for i in range(batch)]
+
+
 @torch.no_grad()
 def decode_run(
-    loaded: LoadedModel, node, batch: int, context: int, new_tokens: int, device: str, backend: str
+    loaded: LoadedModel,
+    node,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    device: str,
+    backend: str,
+    ragged: bool = False,
 ):
     """Prefill ``batch`` prompts of ``context`` tokens and decode ``new_tokens``; returns
-    (tokens/s, peak bytes, measured?, kv bytes). The model's own forward is timed, batched, without
-    the runner's per-step hooks."""
+    (tokens/s, peak bytes, measured?, kv bytes, path). The native path times the model's own
+    forward, batched, without the runner's per-step hooks; ``ragged`` times the per-sequence path
+    (:func:`ragged_decode`)."""
     node = dict(node)
     if node["name"] != "fp16" and backend != "torch":
         node["backend"] = backend
     runner = loaded.runner(build_method(node))
-    model, shape = loaded.model, loaded.shape
+    model = loaded.model
+    if ragged:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        tps, kv = ragged_decode(runner, batch, context, new_tokens, device)
+        return (tps, *peak_bytes(loaded, kv, batch, context, device), kv, PER_SEQUENCE)
     cache = runner.new_cache()
     ids = torch.randint(100, 20000, (1, context), device=device).expand(batch, context).contiguous()
     if device == "cuda":
@@ -67,17 +111,37 @@ def decode_run(
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     kv = memory_report(cache.layers).total_bytes
+    return (batch * new_tokens / seconds, *peak_bytes(loaded, kv, batch, context, device), kv, NATIVE)
+
+
+def ragged_decode(runner, batch: int, context: int, new_tokens: int, device: str) -> tuple[float, int]:
+    """``batch`` prompts of :func:`ragged_lengths` through the runner's batched forward and decode
+    step (every method hook included) over per-sequence caches; greedy, no stop. Returns (generated
+    tokens/s over the decode phase, KV bytes held by all sequences)."""
+    lengths = ragged_lengths(batch, context)
+    prompts = [torch.randint(100, 20000, (1, n)) for n in lengths]
+    ids, mask = runner.pad_batch(prompts, pad_token_id=0)
+    runner.method.new_request(new_tokens)
+    cache = runner.new_batch_cache(batch)
+    cache.set_padding(mask)
+    token = runner.forward(ids, cache)[:, -1:].argmax(-1)
     if device == "cuda":
-        peak, measured = torch.cuda.max_memory_allocated(), True
-    else:
-        one_layer_states = 2 * batch * shape.num_kv_heads * context * shape.head_dim * model.dtype.itemsize
-        peak, measured = param_bytes(model) + kv + one_layer_states, False
-    return batch * new_tokens / seconds, peak, measured, kv
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        token = runner.decode_step(token, cache)[:, -1:].argmax(-1)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    kv = sum(memory_report(sub.layers).total_bytes for sub in cache.sequences)
+    for sub in cache.sequences:
+        runner.method.end_request(sub)
+    return batch * new_tokens / seconds, kv
 
 
 def fits(loaded, node, batch, args, device) -> tuple[bool, tuple | None]:
     try:
-        result = decode_run(loaded, node, batch, args.context_for_max, 2, device, args.backend)
+        result = decode_run(loaded, node, batch, args.context_for_max, 2, device, args.backend, args.ragged)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return False, None
@@ -109,6 +173,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch-cap", type=int, default=1024)
     parser.add_argument("--backend", default="torch", choices=["torch", "triton"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument(
+        "--ragged",
+        action="store_true",
+        help="ragged prompt lengths through the per-sequence batched path (kvbench.cache.batch)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/bench_throughput.csv"))
     args = parser.parse_args(argv)
 
@@ -123,9 +192,17 @@ def main(argv=None) -> int:
     for label in args.methods:
         for context in args.contexts:
             for batch in args.batches:
+                path = PER_SEQUENCE if args.ragged else NATIVE
                 try:
-                    tps, peak, measured, kv = decode_run(
-                        loaded, METHODS[label], batch, context, args.new_tokens, device, args.backend
+                    tps, peak, measured, kv, path = decode_run(
+                        loaded,
+                        METHODS[label],
+                        batch,
+                        context,
+                        args.new_tokens,
+                        device,
+                        args.backend,
+                        args.ragged,
                     )
                 except torch.OutOfMemoryError:
                     torch.cuda.empty_cache()
@@ -133,6 +210,7 @@ def main(argv=None) -> int:
                 rows.append(
                     {
                         "method": label,
+                        "path": path,
                         "context": context,
                         "batch": batch,
                         "tokens_per_s": round(tps, 2),
@@ -145,7 +223,8 @@ def main(argv=None) -> int:
         if args.budget_gb:
             args.context_for_max = args.context_for_max or max(args.contexts)
             best = max_batch(loaded, METHODS[label], args, device)
-            rows.append({"method": label, "context": args.context_for_max, "max_batch": best})
+            path = PER_SEQUENCE if args.ragged else NATIVE
+            rows.append({"method": label, "path": path, "context": args.context_for_max, "max_batch": best})
             print(rows[-1], file=sys.stderr, flush=True)
 
     timed = [r for r in rows if "batch" in r]

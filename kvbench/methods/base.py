@@ -190,11 +190,25 @@ class Method:
         methods that decide what to store from the model's outputs (SemKV's logit metrics, delayed
         allocation) act here. Default: nothing."""
 
+    def after_forward_batch(
+        self, caches: list[KVBenchCache], input_ids: torch.Tensor, logits: torch.Tensor, starts: list[int]
+    ) -> None:
+        """:meth:`after_forward` for a batched forward over per-sequence caches
+        (:class:`~kvbench.cache.batch.SequenceBatchCache`): row r of ``input_ids [R, t]`` and
+        ``logits [R, t, vocab]`` is the sequence of ``caches[r]``, its real tokens from column
+        ``starts[r]`` on (left pads before). Default: :meth:`after_forward` on each sequence's own
+        cache and columns, so a method sees exactly what it sees alone; a method whose hook reads
+        other per-forward state (SemKV's hidden-state records) slices that too."""
+        for r, (cache, start) in enumerate(zip(caches, starts, strict=True)):
+            self.after_forward(cache, input_ids[r : r + 1, start:], logits[r : r + 1, start:])
+
     def decode_step(self, runner, cache: KVBenchCache, input_ids: torch.Tensor) -> torch.Tensor:
-        """One decode step: feed ``input_ids [1, 1]``, the token just chosen (or, when scoring, the
-        next given token), and return float32 logits ``[1, 1, vocab]`` that predict the token after
-        it. The generation loop calls it for every token after the prefill and the scoring loop for
-        every one-token forward, so a method that changes how a step runs (SpeCache's two-token
+        """One decode step: feed ``input_ids [B, 1]``, the token just chosen (or, when scoring, the
+        next given token), and return float32 logits ``[B, 1, vocab]`` that predict the token after
+        it (B > 1: a :class:`~kvbench.cache.batch.SequenceBatchCache`, one row per sequence still
+        decoding; per-request state goes on :func:`~kvbench.cache.batch.sequence_caches`). The
+        generation loop calls it for every token after the prefill and the scoring loop for every
+        one-token forward, so a method that changes how a step runs (SpeCache's two-token
         speculative forward) is decoded and scored alike. It must go through ``runner.forward``
         (which runs :meth:`after_forward`) for every forward it makes, and may keep per-request
         state on ``cache``, which is fresh for every request. Default: one plain forward."""

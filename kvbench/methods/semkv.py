@@ -412,7 +412,9 @@ def semkv_layers(cache) -> list[SemKVLayer]:
 @register_method("semkv")
 class SemKV(Method):
     """Per-request state (the previous forward's last log-probabilities, for ``surprisal``) lives
-    here and is reset by :meth:`new_cache`, one cache per request."""
+    here and is reset by :meth:`new_cache`, one cache per request. In a batch (one cache per
+    sequence, :mod:`kvbench.cache.batch`) each sequence's is kept apart, by its cache, and swapped
+    in around that sequence's :meth:`after_forward`."""
 
     Config = SemKVConfig
     Layer = SemKVLayer
@@ -421,9 +423,12 @@ class SemKV(Method):
         super().__init__(config)
         self.hidden: OutputCapture | None = None  # decoder layer -> [B, t] scores of the last forward
         self.last_logprobs: torch.Tensor | None = None
+        # id(cache) -> that sequence's last_logprobs, for the caches of the batch being decoded
+        self._batch_logprobs: dict[int, torch.Tensor | None] = {}
 
     def new_cache(self, shape, model_dtype):
         self.last_logprobs = None
+        self._batch_logprobs.clear()
         return super().new_cache(shape, model_dtype)
 
     def make_layer(self, layer_idx, shape, model_dtype):
@@ -458,6 +463,24 @@ class SemKV(Method):
             hidden.clear()
         for layer in layers:
             layer.allocate()
+
+    def after_forward_batch(self, caches, input_ids, logits, starts) -> None:
+        """Each sequence's :meth:`after_forward` on its own row and real columns, with its own
+        ``last_logprobs`` and the hidden-state records (``[R, t]`` per decoder layer, pads
+        included) cut to that row and those columns: what the sequence's forward gives alone."""
+        records = {} if self.hidden is None else dict(self.hidden.records)
+        try:
+            for r, (cache, start) in enumerate(zip(caches, starts, strict=True)):
+                if self.hidden is not None:
+                    self.hidden.records.clear()
+                    self.hidden.records.update({i: x[r : r + 1, start:] for i, x in records.items()})
+                self.last_logprobs = self._batch_logprobs.get(id(cache))
+                self.after_forward(cache, input_ids[r : r + 1, start:], logits[r : r + 1, start:])
+                self._batch_logprobs[id(cache)] = self.last_logprobs
+        finally:
+            self.last_logprobs = None
+            if self.hidden is not None:
+                self.hidden.records.clear()
 
     def base_label(self) -> str:
         c = self.config

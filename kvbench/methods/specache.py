@@ -67,6 +67,7 @@ from typing import ClassVar
 import torch
 
 from kvbench.cache import KVBenchCache
+from kvbench.cache.batch import sequence_caches
 from kvbench.cache.blockwise import LogitObserver
 from kvbench.cache.fp import FullPrecisionSource
 from kvbench.cache.kivi_layout import KIVILayer
@@ -423,6 +424,16 @@ class SpeCacheCache(KVBenchCache):
                 layer.plan = layer.default_plan if plan is None else plan
 
 
+def _hand_out(caches: list[SpeCacheCache], tokens: torch.Tensor) -> None:
+    """Speculative tokens ``[R, 1]``: row r to ``caches[r]``; one cache (batch 1, or a native batch
+    whose layers hold every row) takes them all."""
+    if len(caches) == 1:
+        caches[0].speculative = tokens
+        return
+    for r, c in enumerate(caches):
+        c.speculative = tokens[r : r + 1]
+
+
 @register_method("specache")
 class SpeCache(Method):
     Config = SpeCacheConfig
@@ -436,26 +447,38 @@ class SpeCache(Method):
     def decode_step(self, runner, cache: SpeCacheCache, input_ids: torch.Tensor) -> torch.Tensor:
         """One step of the generate loop (:meth:`ModelRunner.generate`'s method hook).
 
-        ``input_ids [1, 1]`` is the output token T_t just chosen; returns the float32 logits
-        ``[1, 1, vocab]`` of T_t, whose argmax is T_{t+1}. Speculative: the first call runs
+        ``input_ids [B, 1]`` is the output token T_t just chosen; returns the float32 logits
+        ``[B, 1, vocab]`` of T_t, whose argmax is T_{t+1}. Speculative: the first call runs
         pre-decoding (T_1 alone over ``C'``), then every call runs ``[T_t, T'_{t+1}]`` and keeps the
         speculative row's argmax as T'_{t+2}. Non-speculative: one exact-fetch forward of T_t.
+
+        B > 1 (a :class:`~kvbench.cache.batch.SequenceBatchCache`): the plan and the speculative
+        token are each sequence's own (on its :func:`~kvbench.cache.batch.sequence_caches` cache),
+        so a sequence leaving the batch takes its state with it; the sequences start decoding
+        together, so they are in the same phase (pre-decode or speculative) at every step.
         """
         if not self.config.speculative:
             return runner.forward(input_ids, cache)
+        caches = sequence_caches(cache)
         # the speculative token stays where the logits are: the next forward takes it from there,
         # and reading it on the host would wait for the whole step
         try:
-            if cache.speculative is None:
-                cache.set_plan(PRE_DECODE)
-                cache.speculative = runner.forward(input_ids, cache)[:, -1].argmax(-1, keepdim=True)
-            cache.set_plan(SPECULATIVE_STEP)
-            speculative = cache.speculative
+            if caches[0].speculative is None:
+                for c in caches:
+                    c.set_plan(PRE_DECODE)
+                first = runner.forward(input_ids, cache)[:, -1].argmax(-1, keepdim=True)
+                _hand_out(caches, first)
+            for c in caches:
+                c.set_plan(SPECULATIVE_STEP)
+            speculative = caches[0].speculative
+            if len(caches) > 1:
+                speculative = torch.cat([c.speculative for c in caches])
             pair = torch.cat([input_ids.to(speculative.device), speculative], dim=1)
             logits = runner.forward(pair, cache)
         finally:
-            cache.set_plan(None)
-        cache.speculative = logits[:, 1].argmax(-1, keepdim=True)
+            for c in caches:
+                c.set_plan(None)
+        _hand_out(caches, logits[:, 1].argmax(-1, keepdim=True))
         return logits[:, :1]
 
     def base_label(self) -> str:

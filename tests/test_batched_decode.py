@@ -1,0 +1,188 @@
+"""Batched decoding (:meth:`ModelRunner.generate_batch`, :mod:`kvbench.cache.batch`): every registered
+method's output for sequence i of a batch equals its output run alone (batch 1), ragged lengths
+included: the same greedy tokens, the same stop, the same memory report (so no pad token entered
+its storage), and the logits that chose each token equal up to float rounding.
+
+The model is the tiny random Llama of tests/tiny_archs.py. Each method runs with settings small
+enough that it quantizes, evicts, allocates or prefetches at these lengths (prompts of 23-41
+tokens, 8 new tokens): KIVI/OTT/SpeCache windows of 4-8 tokens and token groups of 8, SemKV
+chunks of 4, eviction budgets of 16 tokens, so group boundaries, eviction rounds and allocation
+units fall at different places in the sequences of one batch.
+
+Logit tolerance: a batched decode step's projections may differ from batch 1's in the last bit
+(another summation order), which can push a value across a quantization boundary and flip one
+code; here that moves logits by ~1e-4 at most. Positions shifted by the pad count (no
+``cumsum(mask) - 1``) move a quantizing method's logits by ~0.3, and its stored keys by ~5 (checked
+by breaking the runner on purpose), so ``atol=1e-3`` separates the two. FP16 alone would not see
+that shift: RoPE attention depends on relative positions only, hence :func:`test_no_pad_enters_storage`
+compares the stored keys themselves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_archs import VOCAB, kvbench_logits, loaded, tiny_model
+
+from kvbench.cache.batch import PER_SEQUENCE, SequenceBatchCache
+from kvbench.methods import METHODS, build_method
+
+STEPS = 8
+RAGGED = (41, 23, 34)  # the longest first, the shortest in the middle: pads on rows 1 and 2
+EQUAL = (30, 30, 30)
+
+# Per registered method, the node that makes it compress at these lengths (a method missing here
+# fails test_every_method_has_a_node: a new method must say how it is tested batched).
+NODES: dict[str, dict] = {
+    "fp16": {},
+    "uniform": {"bits": 2},
+    "kivi": {"bits": 2, "residual": 8, "group_size": 8},
+    "ott": {"bits": 2, "residual": 4, "group_size": 8, "pool_size": 2, "skip_layers": 1,
+            "extra_pool_size": 2},
+    "specache": {"bits": 2, "residual": 8, "group_size": 8, "topk": 4},
+    "kvquant": {"bits": 2, "calibrate": False, "pre_rope": False, "datatype": "uniform"},
+    "intactkv": {"tokens": 2, "base": {"name": "kivi", "bits": 2, "residual": 8, "group_size": 8}},
+    "turboquant": {"bits": 2},
+    "semkv": {"chunk": 4},
+    "readkv": {"bits": 6, "read_bits": 3},
+    "streamingllm": {"budget": 16, "sinks": 4},
+    "h2o": {"budget": 16},
+    "snapkv": {"budget": 16, "window": 4},
+    "random_prune": {"budget": 16, "window": 4},
+}  # fmt: skip
+# Method hooks that keep per-forward or per-request state outside the layers: SemKV's logit and
+# hidden-state metrics (after_forward) and its attention metric (scored in attend), SpeCache without
+# speculation (exact fetch); KVQuant's pre-RoPE keys (stored un-rotated, so each sequence's own
+# positions must be the alone run's).
+EXTRA = {
+    "semkv-surprisal": {"name": "semkv", "chunk": 4, "metric": "surprisal"},
+    "semkv-hidden_change": {"name": "semkv", "chunk": 4, "metric": "hidden_change"},
+    "semkv-attn_sum": {"name": "semkv", "chunk": 4, "metric": "attn_sum"},
+    "kvquant-pre_rope": {"name": "kvquant", "bits": 2, "calibrate": False, "pre_rope": True,
+                         "datatype": "uniform"},
+    "specache-exact": {"name": "specache", "bits": 2, "residual": 8, "group_size": 8, "topk": 4,
+                       "speculative": False},
+}  # fmt: skip
+
+
+def node_for(case: str) -> dict:
+    return dict(EXTRA[case]) if case in EXTRA else {"name": case, **NODES[case]}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def prompts_of(lengths: tuple[int, ...]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (1, n), generator=gen) for n in lengths]
+
+
+def runner_for(llama, node):
+    model, shape = llama
+    return loaded(model, shape).runner(build_method(node))
+
+
+def assert_batch_equals_alone(runner, prompts, **kw):
+    """Each sequence of ``generate_batch`` against ``generate`` and the batch-1 logits; returns the
+    alone generations."""
+    alone = [runner.generate(p, STEPS, **kw) for p in prompts]
+    batch = runner.generate_batch(prompts, STEPS, keep_logits=True, **kw)
+    assert len(batch) == len(prompts)
+    for i, (p, a, b) in enumerate(zip(prompts, alone, batch, strict=True)):
+        assert b.token_ids == a.token_ids, f"sequence {i}"
+        assert b.stopped == a.stopped and b.prompt_tokens == a.prompt_tokens == p.shape[1]
+        # the whole report: tokens, bytes of every component, read and prefetch statistics
+        assert b.memory == a.memory, f"sequence {i}: storage differs from the alone run"
+        assert b.extra["batch_path"] == PER_SEQUENCE and b.extra["batch_size"] == len(prompts)
+        # the alone logits that chose each token (the stop token's too, when it stopped)
+        fed = a.token_ids + ([] if not a.stopped else [int(b.extra["logits"][-1].argmax())])
+        want, _ = kvbench_logits(runner, p, fed) if fed else (torch.empty(0), None)
+        assert b.extra["logits"].shape == want.shape
+        torch.testing.assert_close(b.extra["logits"], want, rtol=1e-4, atol=1e-3)
+    return alone
+
+
+def test_every_method_has_a_node():
+    assert sorted(NODES) == sorted(METHODS.names())
+
+
+# every registered method ragged and at equal lengths; the extra hook cases ragged only
+CASES = [
+    *(pytest.param(m, lengths, id=f"{m}-{kind}") for m in METHODS.names() for kind, lengths in
+      (("ragged", RAGGED), ("equal", EQUAL))),
+    *(pytest.param(m, RAGGED, id=f"{m}-ragged") for m in EXTRA),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "lengths"), CASES)
+def test_batch_equals_alone(llama, case, lengths):
+    runner = runner_for(llama, node_for(case))
+    alone = assert_batch_equals_alone(runner, prompts_of(lengths))
+    memory = alone[0].memory
+    # every sequence stored its prompt and every decoded token but the last
+    assert [g.memory.tokens for g in alone] == [n + STEPS - 1 for n in lengths]
+    if runner.method.config.bits is not None or case in ("streamingllm", "h2o", "snapkv", "random_prune"):
+        assert memory.total_bytes < memory.fp16_bytes, f"{case} does not compress at these lengths"
+
+
+@pytest.mark.parametrize("case", ["fp16", "kivi", "specache", "semkv-surprisal", "h2o"])
+def test_per_sequence_stop(llama, case):
+    """A sequence that stops leaves the batch: its tokens, stop flag and storage are its alone
+    run's, while the others go on to ``max_new_tokens``."""
+    runner = runner_for(llama, node_for(case))
+    prompts = prompts_of(RAGGED)
+    free = runner.generate(prompts[1], STEPS).token_ids
+    stop = free[2]
+    alone = assert_batch_equals_alone(runner, prompts, stop_token_ids=(stop,))
+    assert alone[1].stopped and len(alone[1].token_ids) <= 2
+    assert any(not g.stopped and len(g.token_ids) == STEPS for g in alone), "no sequence ran on"
+
+
+def test_min_new_tokens_per_sequence(llama):
+    """Stops are barred from each sequence's first ``min_new_tokens`` positions, as alone: the
+    sequence whose first greedy token is the stop token takes the runner-up there."""
+    runner = runner_for(llama, node_for("kivi"))
+    prompts = prompts_of(RAGGED)
+    stop = runner.generate(prompts[2], 1).token_ids[0]
+    alone = assert_batch_equals_alone(runner, prompts, stop_token_ids=(stop,), min_new_tokens=1)
+    assert alone[2].token_ids and alone[2].token_ids[0] != stop
+
+
+def test_no_pad_enters_storage(llama):
+    """After a ragged prefill each sequence's layers hold exactly its real tokens, and what they
+    hold reads back as the alone cache's (pads would add tokens and shift KIVI's groups)."""
+    runner = runner_for(llama, node_for("kivi"))
+    prompts = prompts_of(RAGGED)
+    cache = runner.new_batch_cache(len(prompts))
+    ids, mask = runner.pad_batch(prompts, pad_token_id=VOCAB - 1)
+    assert mask.sum(1).tolist() == list(RAGGED) and bool((ids[mask == 0] == VOCAB - 1).all())
+    cache.set_padding(mask)
+    runner.forward(ids, cache)
+    assert cache.get_seq_length() == max(RAGGED)
+    for p, sub in zip(prompts, cache.sequences, strict=True):
+        alone = runner.new_cache()
+        runner.forward(p, alone)
+        for mine, theirs in zip(sub.layers, alone.layers, strict=True):
+            assert mine.num_tokens == theirs.num_tokens == p.shape[1]
+            assert mine.batch_size == 1
+            for x, y in zip(mine.read(), theirs.read(), strict=True):
+                torch.testing.assert_close(x.float(), y.float(), rtol=1e-3, atol=1e-3)
+
+
+def test_refusals(llama):
+    runner = runner_for(llama, node_for("fp16"))
+    cache = runner.new_batch_cache(2)
+    with pytest.raises(ValueError, match="left-padded"):
+        cache.set_padding(torch.tensor([[1, 1, 0], [1, 1, 1]]))  # right padding
+    with pytest.raises(ValueError, match="left-padded"):
+        cache.set_padding(torch.tensor([[0, 0, 0], [1, 1, 1]]))  # an empty prompt
+    with pytest.raises(RuntimeError, match="set_padding"):
+        runner.forward(torch.zeros(2, 3, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="at least one token"):
+        runner.generate_batch([torch.zeros(1, 0, dtype=torch.long)], 2)
+    gemma = tiny_model("gemma3")
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        runner_for(gemma, node_for("fp16")).generate_batch(prompts_of((5, 3)), 2)
+    assert not isinstance(runner.new_cache(), SequenceBatchCache)
