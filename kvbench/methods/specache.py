@@ -108,12 +108,6 @@ class SpeCacheConfig(AffineKVConfig):
             "a token count >= 0 (0: no prefetch, the low-bit cache alone)",
         )
         require(
-            self.backend in ("auto", "torch"),
-            "method.backend",
-            self.backend,
-            "auto or torch (specache attends through its own substitution path)",
-        )
-        require(
             self.sink_tokens == 0,
             "method.sink_tokens",
             self.sink_tokens,
@@ -272,6 +266,11 @@ class TopKScores(LogitObserver):
 
 class SpeCacheLayer(KIVILayer):
     """KIVI storage on the accelerator, the FP16 cache on the host, and the prefetched rows."""
+
+    # Its decode reads substitute the prefetched rows and watch the logits for the next top-k, so
+    # every part goes through the part reader (TritonReader on backend triton), never KIVI's
+    # fused kernel, which would read the low-bit entries of the prefetched rows instead.
+    fused_decode = False
 
     def __init__(self, layer_idx, cfg: SpeCacheConfig, fp_dtype):
         super().__init__(layer_idx, **cfg.layout(fp_dtype))

@@ -252,6 +252,7 @@ TRITON_METHODS = {
     "turboquant": {},
     "turboquant-split": {"name": "turboquant", "outlier_channels": 16},
     "kvquant": {},
+    "specache": {},  # its substitution path and top-k observer over the part reader
     "intactkv": {"tokens": 4},
     "semkv": {"chunk": 16},  # key_norm: scored at append, read through the parts
     "semkv-turboquant": {"name": "semkv", "base": "turboquant", "chunk": 16},
@@ -347,7 +348,6 @@ def test_ott_on_triton_reads_its_outlier_pools():
     "node",
     [
         {"name": "semkv", "metric": "attn_sum"},  # scores a reconstructed cache
-        {"name": "specache"},  # its own substitution path
         {"name": "h2o"},  # eviction: its own attention
     ],
 )
