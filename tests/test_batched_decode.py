@@ -13,7 +13,11 @@ Logit tolerance: a batched decode step's projections may differ from batch 1's i
 (another summation order), which can push a value across a quantization boundary and flip one
 code; here that moves logits by ~1e-4 at most. Positions shifted by the pad count (no
 ``cumsum(mask) - 1``) move a quantizing method's logits by ~0.3, and its stored keys by ~5 (checked
-by breaking the runner on purpose), so ``atol=1e-3`` separates the two. FP16 alone would not see
+by breaking the runner on purpose), so ``atol=1e-3`` separates the two. SemKV is the exception
+(:data:`LOGIT_ATOL`): it gives a chunk's tokens the higher or the lower precision by ranking their
+scores, and a last-bit difference can swap two tied tokens of a ranking; under
+``ATEN_CPU_CAPABILITY=default`` its ragged batch moves logits by ~3e-2 that way (the same tokens,
+the same bytes), still an order below what a shifted position does. FP16 alone would not see
 that shift: RoPE attention depends on relative positions only, hence :func:`test_no_pad_enters_storage`
 compares the stored keys themselves.
 """
@@ -65,6 +69,10 @@ EXTRA = {
 }  # fmt: skip
 
 
+# Methods whose logits may move past 1e-3 through a swapped near-tie of a ranking (docstring).
+LOGIT_ATOL = {"semkv": 5e-2}
+
+
 def node_for(case: str) -> dict:
     return dict(EXTRA[case]) if case in EXTRA else {"name": case, **NODES[case]}
 
@@ -100,7 +108,8 @@ def assert_batch_equals_alone(runner, prompts, **kw):
         fed = a.token_ids + ([] if not a.stopped else [int(b.extra["logits"][-1].argmax())])
         want, _ = kvbench_logits(runner, p, fed) if fed else (torch.empty(0), None)
         assert b.extra["logits"].shape == want.shape
-        torch.testing.assert_close(b.extra["logits"], want, rtol=1e-4, atol=1e-3)
+        atol = LOGIT_ATOL.get(runner.method.config.name, 1e-3)
+        torch.testing.assert_close(b.extra["logits"], want, rtol=1e-4, atol=atol)
     return alone
 
 
