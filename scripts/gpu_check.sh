@@ -39,28 +39,27 @@ CHECK_TIMEOUT="${GPU_CHECK_TIMEOUT:-360}"
 status=()
 failed=0
 
-if [[ $DRY == 0 ]]; then
-    echo "== pytest: full-size kernel tests on CUDA (timeout ${PYTEST_TIMEOUT}s)"
-    timeout "$PYTEST_TIMEOUT" "$PY" -m pytest -q -m cuda -p no:cacheprovider \
-        tests/kernels/test_quant_pack.py tests/kernels/test_decode_attention.py \
-        tests/kernels/test_triton_planes.py 2>&1 | tail -n 15
-    rc=${PIPESTATUS[0]}
+# run_pytest LABEL ARGS...: one pytest on the device, its outcome added to the summary
+run_pytest() {
+    local label="$1"
+    shift
+    echo "== pytest: ${label} (timeout ${PYTEST_TIMEOUT}s)"
+    timeout "$PYTEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -n 15
+    local rc=${PIPESTATUS[0]}
     case $rc in
-        0) status+=("pytest -m cuda (kernels): ok") ;;
-        124) status+=("pytest -m cuda (kernels): TIMED OUT after ${PYTEST_TIMEOUT}s"); failed=1 ;;
-        *) status+=("pytest -m cuda (kernels): FAILED (exit $rc)"); failed=1 ;;
+        0) status+=("pytest (${label}): ok") ;;
+        124) status+=("pytest (${label}): TIMED OUT after ${PYTEST_TIMEOUT}s"); failed=1 ;;
+        *) status+=("pytest (${label}): FAILED (exit $rc)"); failed=1 ;;
     esac
+}
+
+if [[ $DRY == 0 ]]; then
+    run_pytest "full-size kernel tests on CUDA, -m cuda" -m cuda \
+        tests/kernels/test_quant_pack.py tests/kernels/test_decode_attention.py \
+        tests/kernels/test_triton_planes.py
     # every stored part read by TritonReader against its torch reference, on the device (the
     # interpreter-only method tests in the file skip themselves)
-    echo "== pytest: TritonReader part parity on CUDA (timeout ${PYTEST_TIMEOUT}s)"
-    timeout "$PYTEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
-        tests/kernels/test_triton_parts.py 2>&1 | tail -n 15
-    rc=${PIPESTATUS[0]}
-    case $rc in
-        0) status+=("pytest (TritonReader parts): ok") ;;
-        124) status+=("pytest (TritonReader parts): TIMED OUT after ${PYTEST_TIMEOUT}s"); failed=1 ;;
-        *) status+=("pytest (TritonReader parts): FAILED (exit $rc)"); failed=1 ;;
-    esac
+    run_pytest "TritonReader part parity on CUDA" tests/kernels/test_triton_parts.py
 fi
 
 echo "== scripts/gpu_check.py ${ARGS[*]} (timeout ${CHECK_TIMEOUT}s)"

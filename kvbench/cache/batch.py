@@ -61,7 +61,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvbench.cache.cache import ATTENTION_KWARG, KVBenchCache
+from kvbench.cache.cache import KVBenchCache, check_handed_to_attention
 from kvbench.cache.masks import newest_causal_mask
 
 # The name of the batched path, recorded in generations and benchmark rows.
@@ -245,12 +245,7 @@ class SequenceBatchCache(KVBenchCache):
 
     # -- transformers' Cache / the attention contract ----------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        forward = kwargs.get("kwargs")
-        if isinstance(forward, dict) and forward.get(ATTENTION_KWARG) is not self:
-            raise RuntimeError(
-                f"a forward over a kvbench cache must hand it to attention too: call the model with "
-                f"**cache.forward_kwargs() (keyword {ATTENTION_KWARG!r}), not cache=cache alone"
-            )
+        check_handed_to_attention(self, kwargs)
         if key_states.shape[0] != len(self.rows):
             raise ValueError(f"the forward has {key_states.shape[0]} rows, the batch {len(self.rows)}")
         starts = self.starts(key_states.shape[-2], layer_idx)

@@ -48,14 +48,7 @@ class KVBenchCache(Cache):
         return {"cache": self, "use_cache": True, ATTENTION_KWARG: self}
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        forward = kwargs.get("kwargs")
-        if isinstance(forward, dict) and forward.get(ATTENTION_KWARG) is not self:
-            # the model handed us its attention keywords, and this cache is not among them: the
-            # attention function would attend only what update returns
-            raise RuntimeError(
-                f"a forward over a kvbench cache must hand it to attention too: call the model with "
-                f"**cache.forward_kwargs() (keyword {ATTENTION_KWARG!r}), not cache=cache alone"
-            )
+        check_handed_to_attention(self, kwargs)
         layer = self.layers[layer_idx]
         keys, values = layer.update(key_states, value_states, *args, **kwargs)
         self._returned[layer_idx] = keys
@@ -70,3 +63,15 @@ class KVBenchCache(Cache):
         if returned is None or returned is not keys:
             return None
         return self.layers[layer_idx]
+
+
+def check_handed_to_attention(cache, update_kwargs: dict) -> None:
+    """Raise unless the forward calling ``cache.update`` also handed ``cache`` to attention: when the
+    model passes its attention keywords (``update_kwargs["kwargs"]``) and this cache is not among
+    them, the attention function would attend only what update returns."""
+    forward = update_kwargs.get("kwargs")
+    if isinstance(forward, dict) and forward.get(ATTENTION_KWARG) is not cache:
+        raise RuntimeError(
+            f"a forward over a kvbench cache must hand it to attention too: call the model with "
+            f"**cache.forward_kwargs() (keyword {ATTENTION_KWARG!r}), not cache=cache alone"
+        )
