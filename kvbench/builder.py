@@ -65,6 +65,7 @@ class LoadedModel:
         ``data_root`` is where a calibrating method reads its data (None: ``KVBENCH_DATA_DIR`` or the
         default, as :func:`kvbench.data.resolve_data_root` says)."""
         method.config.check_model(self.shape)
+        method.config.check_static_model(self.shape)
         if task is not None:
             task.check_model(self.shape, self.tokenizer)
         method.prepare(self.model, self.tokenizer, self.shape, resolve_data_root(data_root))

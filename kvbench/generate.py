@@ -28,6 +28,7 @@ import torch
 from kvbench.cache import KVBenchCache, MemoryReport, memory_report
 from kvbench.cache.batch import SequenceBatchCache, sequence_caches
 from kvbench.cache.sliding import with_window_layers
+from kvbench.cache.static import StaticStep
 from kvbench.methods import Method, ModelShape
 
 
@@ -103,7 +104,23 @@ class ModelRunner:
             return self._forward_batch(input_ids, cache)
         logits = self.model(input_ids=input_ids, **cache.forward_kwargs()).logits.float()
         self.method.after_forward(cache, input_ids, logits)
+        if cache.static:
+            cache.advance(input_ids.shape[1])
         return logits
+
+    def _static_forward(self, cache: KVBenchCache):
+        """The forward of a :class:`~kvbench.cache.static.StaticStep`: ``(input_ids [1, 1],
+        position_ids [1, 1]) -> logits [1, 1, vocab]``, moving ``position_ids`` on by one on the
+        device. It never counts tokens on the host (the step does, after it)."""
+
+        def forward(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, **cache.forward_kwargs())
+            logits = out.logits.float()
+            self.method.after_forward(cache, input_ids, logits)
+            position_ids.add_(1)
+            return logits
+
+        return forward
 
     def _forward_batch(self, input_ids: torch.Tensor, cache: SequenceBatchCache) -> torch.Tensor:
         q = input_ids.shape[1]
@@ -141,9 +158,18 @@ class ModelRunner:
         stops = self.eos_ids | set(stop_token_ids)
         self.method.new_request(max_new_tokens - 1)
         cache = self.new_cache()
+        static_step = None
+        if self.method.config.cuda_graph:
+            # every token the request can store: the prompt and all but the last new token
+            cache.reserve(input_ids.shape[1] + max(max_new_tokens - 1, 0))
         t0 = time.perf_counter()
         logits = self.forward(input_ids, cache)
         prefill_s = time.perf_counter() - t0
+        if cache.static:
+            capture = self.device.type == "cuda"
+            static_step = StaticStep(
+                self._static_forward(cache), cache, input_ids.shape[1], self.device, capture
+            )
         tokens: list[int] = []
         stopped = False
         t0 = time.perf_counter()
@@ -162,14 +188,18 @@ class ModelRunner:
                 break
             if len(tokens) == max_new_tokens:
                 break
-            logits = self.decode_step(torch.tensor([[nxt]]), cache)
+            if static_step is not None:
+                logits = static_step(nxt)
+            else:
+                logits = self.decode_step(torch.tensor([[nxt]]), cache)
         decode_s = time.perf_counter() - t0
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         for s in stop_strings:
             text = text.split(s)[0]
         memory = memory_report(cache.layers)
         self.method.end_request(cache)
-        return Generation(text, tokens, input_ids.shape[1], stopped, memory, prefill_s, decode_s)
+        extra = {} if static_step is None else {"decode_step": static_step.mode}
+        return Generation(text, tokens, input_ids.shape[1], stopped, memory, prefill_s, decode_s, extra)
 
     def new_batch_cache(self, batch: int) -> SequenceBatchCache:
         """A :class:`~kvbench.cache.batch.SequenceBatchCache` of ``batch`` fresh caches of the method

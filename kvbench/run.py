@@ -208,6 +208,7 @@ def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
     peeked = peek_model(spec.model)
     if peeked is not None:
         spec.method.config.check_model(peeked[0])
+        spec.method.config.check_static_model(peeked[0])
         if known is None:
             spec.task.check_model(*peeked)
     if checked_tasks is not None:

@@ -20,7 +20,10 @@ measured is a row with its status (``error: ...``, ``skipped: ...``), never a mi
    vocabulary), the cache filled with the context's random post-RoPE keys and values as
    ``scripts/count_ops.py`` fills it. Each row says which backend the method asked for, which its
    stores resolved to, and which read the stored tokens
-   (:func:`kvbench.kernels.cpu.backend_in_use`).
+   (:func:`kvbench.kernels.cpu.backend_in_use`). A method with a static decode step
+   (``method.cuda_graph``: fp16, uniform) gets a second row (``decode_step``): its step captured
+   once as a CUDA graph and replayed (``graph``; ``static`` where it runs eagerly, the dry mode),
+   timed against the method's own eager step (``vs_eager``).
 
 Decode rows reached after ``--budget-s`` seconds of the check are written as skipped, and every
 CSV is rewritten after each row, so a run stopped by the shell's timeout keeps what it measured. The
@@ -454,9 +457,11 @@ DECODE_COLUMNS = [
     "backend_requested",
     "backend_resolved",
     "backend_in_use",
+    "decode_step",
     "step_ms",
     "step_ms_min",
     "vs_sdpa",
+    "vs_eager",
     "steps",
     "status",
 ]
@@ -557,8 +562,42 @@ def method_node(name: str, count_ops) -> dict:
     return {**node, "backend": "triton"}
 
 
+def static_node(name: str, count_ops) -> dict | None:
+    """:func:`method_node` with ``cuda_graph=true`` for a method that has a static decode step
+    (kvbench/cache/static.py), else None."""
+    from kvbench.errors import ConfigError
+    from kvbench.methods import METHODS, build_method
+
+    if METHODS.get(name).Config.static_step is None:
+        return None
+    node = {**method_node(name, count_ops), "cuda_graph": True}
+    try:
+        build_method(node)
+    except ConfigError:
+        return None
+    return node
+
+
+def static_step_of(runner, prompt, steps: int, device: torch.device, count_ops):
+    """A :class:`~kvbench.cache.static.StaticStep` over a cache reserved for the prompt and
+    ``steps`` tokens and filled as :func:`count_ops.fill` fills one; on CUDA it captures a graph at
+    its second call (``decode_step`` ``graph``), elsewhere it runs the static step eagerly
+    (``static``)."""
+    from kvbench.cache.static import StaticStep
+
+    n = prompt.ids.shape[1]
+    cache = runner.new_cache()
+    cache.reserve(n + steps + 1)
+    count_ops.fill(runner, cache, prompt)
+    cache.advance(n)
+    forward = runner._static_forward(cache)
+    return StaticStep(forward, cache, n, device, capture=device.type == "cuda")
+
+
 def decode(sizes: Sizes, device: torch.device, section: Section, deadline: float, budget_s: float) -> None:
-    """Rows reached after ``deadline`` (``time.monotonic()``) are written as skipped."""
+    """Rows reached after ``deadline`` (``time.monotonic()``) are written as skipped. A method with
+    a static decode step gets a second row, that step (a replayed CUDA graph on CUDA), with its
+    time against the method's own eager step (``vs_eager``)."""
     from transformers import DynamicCache
 
     from kvbench.cache import ATTN_IMPLEMENTATION
@@ -577,7 +616,8 @@ def decode(sizes: Sizes, device: torch.device, section: Section, deadline: float
     def add(row: dict) -> None:
         section.add(
             row,
-            f"{row['label']:40s} N={row['context']:<6d} {row['step_ms'] or '-':>9s} ms "
+            f"{row['label']:40s} {row['decode_step']:6s} N={row['context']:<6d} "
+            f"{row['step_ms'] or '-':>9s} ms "
             f"x{row['vs_sdpa'] or '-':>6s} vs SDPA  backend {row['backend_requested']}->"
             f"{row['backend_resolved']} read by {row['backend_in_use']}  {row['status']}",
         )
@@ -586,7 +626,13 @@ def decode(sizes: Sizes, device: torch.device, section: Section, deadline: float
         prompt = random_prompt(loaded, n, steps, device, count_ops)
         tokens = [torch.tensor([[t]], device=device) for t in prompt.tokens]
         sdpa_ms = None
-        for name in [REFERENCE, *names]:
+        eager_ms = {}
+        runs = [(REFERENCE, False)]
+        for name in names:
+            runs.append((name, False))
+            if static_node(name, count_ops) is not None:
+                runs.append((name, True))
+        for name, static in runs:
             row = dict(
                 method=name,
                 label=name,
@@ -595,9 +641,11 @@ def decode(sizes: Sizes, device: torch.device, section: Section, deadline: float
                 backend_requested="",
                 backend_resolved="",
                 backend_in_use="",
+                decode_step="eager",
                 step_ms="",
                 step_ms_min="",
                 vs_sdpa="",
+                vs_eager="",
                 steps=sizes.timed_steps,
                 status="ok",
             )
@@ -625,22 +673,33 @@ def decode(sizes: Sizes, device: torch.device, section: Section, deadline: float
                     finally:
                         model.set_attn_implementation(ATTN_IMPLEMENTATION)
                 else:
-                    method = build_method(method_node(name, count_ops))
+                    node = static_node(name, count_ops) if static else method_node(name, count_ops)
+                    method = build_method(node)
                     row.update(
                         label=method.label(),
                         backend_requested=method.config.backend,
                         backend_resolved=method.config.storage_backend(),
                     )
                     runner = loaded.runner(method)
-                    cache = runner.new_cache()
-                    count_ops.fill(runner, cache, prompt)
-                    it = iter(tokens)
+                    if static:
+                        cache = static_step_of(runner, prompt, steps, device, count_ops)
+                        ids = iter(prompt.tokens)
 
-                    def step(it=it, cache=cache, runner=runner):
-                        with torch.no_grad():
-                            runner.decode_step(next(it), cache)
+                        def step(ids=ids, cache=cache):
+                            cache(next(ids))
+
+                    else:
+                        cache = runner.new_cache()
+                        count_ops.fill(runner, cache, prompt)
+                        it = iter(tokens)
+
+                        def step(it=it, cache=cache, runner=runner):
+                            with torch.no_grad():
+                                runner.decode_step(next(it), cache)
 
                     times = step_times(step, device, sizes.warmup_steps, sizes.timed_steps)
+                    if static:
+                        row["decode_step"] = cache.mode
                     used = cpu_kernels.backend_in_use()
                     if used == "none":  # a fused path that records no read (KIVI's Triton decode)
                         resolved = row["backend_resolved"]
@@ -652,6 +711,10 @@ def decode(sizes: Sizes, device: torch.device, section: Section, deadline: float
                     sdpa_ms = ms
                 elif sdpa_ms:
                     row["vs_sdpa"] = f"{ms / sdpa_ms:.2f}"
+                if static and eager_ms.get(name):
+                    row["vs_eager"] = f"{ms / eager_ms[name]:.2f}"
+                elif name != REFERENCE:
+                    eager_ms[name] = ms
             except Exception as exc:  # noqa: BLE001 - every failure is a row
                 row["status"] = f"error: {one_line(exc)}"
                 if os.environ.get("KVBENCH_GPU_CHECK_TRACEBACK"):

@@ -56,7 +56,7 @@ run_pytest() {
 if [[ $DRY == 0 ]]; then
     run_pytest "full-size kernel tests on CUDA, -m cuda" -m cuda \
         tests/kernels/test_quant_pack.py tests/kernels/test_decode_attention.py \
-        tests/kernels/test_triton_planes.py
+        tests/kernels/test_triton_planes.py tests/cache/test_static_step.py
     # every stored part read by TritonReader against its torch reference, on the device (the
     # interpreter-only method tests in the file skip themselves)
     run_pytest "TritonReader part parity on CUDA" tests/kernels/test_triton_parts.py

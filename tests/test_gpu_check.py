@@ -62,9 +62,11 @@ DECODE = [
     "backend_requested",
     "backend_resolved",
     "backend_in_use",
+    "decode_step",
     "step_ms",
     "step_ms_min",
     "vs_sdpa",
+    "vs_eager",
     "steps",
     "status",
 ]
@@ -104,7 +106,7 @@ def test_dry_run_passes_and_summarises(dry_run):
     # one printed line per result
     assert proc.stdout.count("[parity] ") == 7
     assert proc.stdout.count("[bandwidth] ") == 2
-    assert proc.stdout.count("[decode] ") == 4
+    assert proc.stdout.count("[decode] ") == 5
 
 
 def test_parity_csv_has_one_row_per_format(dry_run):
@@ -148,8 +150,15 @@ def test_decode_csv_has_one_row_per_method_and_names_the_backend(dry_run):
     out, _ = dry_run
     columns, rows = read(out / "gpu_decode.csv")
     assert columns == DECODE
-    assert [r["method"] for r in rows] == ["DynamicCache", "fp16", "kivi", "kvquant"]
-    by = {r["method"]: r for r in rows}
+    assert [r["method"] for r in rows] == ["DynamicCache", "fp16", "fp16", "kivi", "kvquant"]
+    # fp16 has a static decode step: its second row, run eagerly on the CPU, against its first
+    assert [r["decode_step"] for r in rows] == ["eager", "eager", "static", "eager", "eager"]
+    static = rows[2]
+    ratio = float(static["step_ms"]) / float(rows[1]["step_ms"])
+    assert math.isclose(float(static["vs_eager"]), ratio, rel_tol=0.01, abs_tol=0.005)
+    assert static["backend_in_use"] == "triton" and static["status"] == "ok"
+    assert all(r["vs_eager"] == "" for i, r in enumerate(rows) if i != 2)
+    by = {r["method"]: r for r in rows if r["decode_step"] == "eager"}
     for r in rows:
         assert r["status"] == "ok" and r["context"] == "256" and r["layers"] == "1", r
         assert float(r["step_ms"]) >= float(r["step_ms_min"]) > 0, r
@@ -176,7 +185,7 @@ def test_rows_past_the_budget_are_written_as_skipped_and_fail_the_run(tmp_path):
     assert proc.returncode != 0
     columns, rows = read(tmp_path / "gpu_decode.csv")
     assert columns == DECODE
-    assert [r["method"] for r in rows] == ["DynamicCache", "fp16"]
+    assert [r["method"] for r in rows] == ["DynamicCache", "fp16", "fp16"]
     assert all(r["status"].startswith("skipped: ") and r["step_ms"] == "" for r in rows), rows
-    assert "2 skipped" in proc.stdout
-    assert proc.stdout.count("[decode] ") == 2
+    assert "3 skipped" in proc.stdout
+    assert proc.stdout.count("[decode] ") == 3

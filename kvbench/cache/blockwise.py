@@ -324,6 +324,7 @@ def single_call_attention(
     observer: LogitObserver | None = None,
     reader: PartReader | None = None,
     replaced: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`blockwise_attention` (same arguments, same read rule, same result up to float
     reassociation) with one ``scores`` and one ``mix`` call per stored part and one softmax over
@@ -334,7 +335,11 @@ def single_call_attention(
     exact copies of the entries ``replaced`` of the first ``T - k``, which are held in sequence order
     (SpeCache's prefetched rows over its low-bit copy): the replaced entries are hidden with one
     scatter instead of a positional mask over every entry (:func:`replaced_positions` is the same
-    store in ``positions`` form)."""
+    store in ``positions`` form).
+
+    ``hidden``: bool ``[T]`` on the device, True at stored entries not written yet (static stores
+    read over their whole capacity, :mod:`kvbench.cache.static`); they get no weight, by a mask
+    computed on the device, so the calls and their shapes do not depend on how many are written."""
     stored = keys.num_tokens
     if values.num_tokens != stored:
         raise ValueError(f"keys hold {stored} tokens but values hold {values.num_tokens}")
@@ -368,6 +373,8 @@ def single_call_attention(
         logits = _replace_logits(logits, replaced.long(), mask, rows)
     elif mask is not None:
         logits = logits + mask[..., :stored]
+    if hidden is not None:
+        logits = logits.masked_fill(hidden, -math.inf)
     if observer is not None:
         observer.block(0, stored, logits)
     every = [logits]
@@ -412,6 +419,7 @@ def blockwise_attention_forward(
     observer: LogitObserver | None = None,
     reader: PartReader | None = None,
     replaced: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """:func:`blockwise_attention` in the shape of transformers' attention functions: returns
@@ -419,8 +427,8 @@ def blockwise_attention_forward(
     ``block_size`` defaults to ``KVBENCH_BLOCK_SIZE`` from the environment, else 1024. When the
     logits of all stored tokens fit :data:`SINGLE_CALL_BUDGET` (decode steps) and no block size is
     asked for (neither the argument nor ``KVBENCH_BLOCK_SIZE``), :func:`single_call_attention`
-    runs instead, with ``reader``'s kernels. ``replaced``: see :func:`single_call_attention`; the
-    block loop takes it in ``positions`` form."""
+    runs instead, with ``reader``'s kernels. ``replaced`` and ``hidden``: see
+    :func:`single_call_attention`; the block loop takes them in ``positions`` form."""
     if scaling is None:
         scaling = module.scaling
     if (
@@ -442,12 +450,19 @@ def blockwise_attention_forward(
             observer,
             reader,
             replaced,
+            hidden,
         )
         return out, None
     if replaced is not None:
         if positions is not None:
             raise ValueError("give positions or replaced, not both")
         positions = replaced_positions(replaced.long(), keys.num_tokens)
+    if hidden is not None:
+        if positions is not None:
+            raise ValueError("give positions or hidden, not both")
+        order = torch.arange(keys.num_tokens, device=query.device)
+        b, h = query.shape[0], keys.num_heads
+        positions = torch.where(hidden, -1, order).expand(b, h, keys.num_tokens)
     if block_size is None:
         block_size = configured_block_size()
     out = blockwise_attention(

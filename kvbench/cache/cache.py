@@ -47,6 +47,26 @@ class KVBenchCache(Cache):
         **cache.forward_kwargs())``."""
         return {"cache": self, "use_cache": True, ATTENTION_KWARG: self}
 
+    # -- the static step (kvbench.cache.static) --------------------------------------------------
+    @property
+    def static(self) -> bool:
+        return any(getattr(layer, "static", False) for layer in self.layers)
+
+    def reserve(self, capacity: int) -> None:
+        """Preallocate every layer for ``capacity`` tokens with device-side lengths (before the
+        first forward)."""
+        for layer in self.layers:
+            layer.reserve(capacity)
+
+    def advance(self, t: int) -> None:
+        """Count the ``t`` tokens per layer that the latest forward stored on the device."""
+        for layer in self.layers:
+            layer.advance(t)
+
+    def step_kind(self) -> tuple:
+        """The kind of the next static step (:meth:`KVLayer.step_kind` of every layer)."""
+        return tuple(layer.step_kind() for layer in self.layers)
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         check_handed_to_attention(self, kwargs)
         layer = self.layers[layer_idx]

@@ -65,3 +65,16 @@ class FullPrecisionTokens:
 
     def bytes_reserved(self) -> int:
         return self.buffer.bytes_reserved()
+
+    # -- static mode (kvbench.cache.static) -----------------------------------------------------
+    def reserve(self, capacity: int) -> None:
+        self.buffer.reserve(capacity)
+
+    def advance(self, t: int) -> None:
+        self.buffer.advance(t)
+
+    def static_source(self) -> tuple[FullPrecisionSource, torch.Tensor] | None:
+        """The whole capacity as a source and the device count of rows written (None before the
+        first append)."""
+        full = self.buffer.full_view()
+        return None if full is None else (FullPrecisionSource(full), self.buffer.length)

@@ -23,6 +23,15 @@ room (growing, or compacting after pops) copies the used rows into a fresh alloc
 taken before an append or a pop still holds exactly the rows it held (a layer takes views of its
 stores before this forward's tokens are appended and attends them afterwards); it keeps an old
 allocation alive until it is dropped. Take a fresh view to see new rows.
+
+Static mode (:meth:`GrowableTokens.reserve`, the graph-capturable decode step of
+:mod:`kvbench.cache.static`): the buffer is allocated once at a fixed capacity, zero-filled, and
+never grows; an append writes at a device-side row count (:attr:`length`, int64 ``[1]``) with one
+``index_copy_``, so no operation of an append depends on a host integer that changes from step to
+step, and a CUDA graph captured over one step replays the next. The host count (``rows``, what
+:meth:`view` and the accounting read) moves only when the owner calls :meth:`advance`, after the
+forward (captured or not) has run. Unwritten rows stay zero, so a read over the whole capacity
+(:meth:`full_view`) meets finite values, which attention hides by the device length.
 """
 
 from __future__ import annotations
@@ -56,6 +65,8 @@ class GrowableTokens:
         self.rows = 0  # used rows
         self.reallocations = 0  # fresh allocations, the first one included
         self.moves = 0  # compactions after pop_front into a fresh buffer of the same capacity
+        self.fixed_capacity: int | None = None  # static mode (reserve)
+        self.length: torch.Tensor | None = None  # static mode: rows written, on the device, int64 [1]
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -90,9 +101,58 @@ class GrowableTokens:
         """What is held, for accounting: the used rows only (empty list when nothing is used)."""
         return [self.view()] if self.rows else []
 
+    @property
+    def static(self) -> bool:
+        return self.fixed_capacity is not None
+
+    def full_view(self) -> torch.Tensor | None:
+        """Static mode: the whole buffer ``[B, H_kv, capacity, X]``, rows past :attr:`length` zero
+        (None before the first append)."""
+        return self.buffer
+
     # -- writes -------------------------------------------------------------------------------
+    def reserve(self, capacity: int) -> None:
+        """Switch to static mode with room for ``capacity`` rows (before the first append)."""
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        if self.buffer is not None:
+            raise ValueError("reserve() must come before the first append")
+        self.fixed_capacity = capacity
+
+    def advance(self, t: int) -> None:
+        """Static mode: count ``t`` rows that appends have written on the device as used."""
+        if not self.static:
+            raise ValueError("advance() is for static buffers (reserve); appends count themselves")
+        if self.rows + t > self.fixed_capacity:
+            raise ValueError(
+                f"static buffer of {self.fixed_capacity} rows cannot take {t} more after {self.rows}"
+            )
+        self.rows += t
+
+    def _static_append(self, x: torch.Tensor) -> None:
+        t = x.shape[-2]
+        if self.buffer is None:
+            self.dtype = self.dtype if self.dtype is not None else x.dtype
+            shape = (*x.shape[:-2], self.fixed_capacity, x.shape[-1])
+            self.buffer = torch.zeros(shape, dtype=self.dtype, device=x.device)
+            self.length = torch.zeros(1, dtype=torch.long, device=x.device)
+            self.reallocations += 1
+        elif x.shape[:-2] != self.buffer.shape[:-2] or x.shape[-1] != self.buffer.shape[-1]:
+            raise ValueError(
+                f"appended tensor {tuple(x.shape)} does not match the buffer "
+                f"{tuple(self.buffer.shape[:-2])} + [t, {self.buffer.shape[-1]}]"
+            )
+        if t == 0:
+            return
+        rows = self.length + torch.arange(t, device=x.device)
+        self.buffer.index_copy_(-2, rows, x.to(self.dtype))
+        self.length.add_(t)
+
     def append(self, x: torch.Tensor) -> None:
         """Write ``x [B, H_kv, t, X]`` (t rows) after the used rows."""
+        if self.static:
+            self._static_append(x)
+            return
         t = x.shape[-2]
         if self.buffer is None:
             dtype = self.dtype if self.dtype is not None else x.dtype
@@ -116,6 +176,8 @@ class GrowableTokens:
     def pop_front(self, n: int) -> torch.Tensor:
         """Remove the oldest ``n`` rows and return them (a view: popped rows are never overwritten).
         With a grouped axis ``n`` counts rows, not tokens."""
+        if self.static:
+            raise ValueError("a static buffer never pops: its rows are addressed from the front")
         if not 0 <= n <= self.rows:
             raise ValueError(f"pop_front(n={n}) with {self.rows} rows in use")
         if self.buffer is None:

@@ -27,7 +27,8 @@ import torch
 
 from kvbench.cache.composite import CompositeLayer
 from kvbench.cache.fp import FullPrecisionTokens
-from kvbench.cache.layer import cat_tokens
+from kvbench.cache.kivi_static import KIVIStatic, ring_attention
+from kvbench.cache.layer import cat_tokens, merge_held
 from kvbench.cache.quantized import QuantizedTokens
 from kvbench.quant.affine import zero_point_for
 from kvbench.quant.attention_ref import PackedKV
@@ -66,6 +67,32 @@ class KIVILayer(CompositeLayer):
         )
         self.k_res = FullPrecisionTokens(fp_dtype)
         self.v_res = FullPrecisionTokens(fp_dtype)
+        self._ring: KIVIStatic | None = None  # static mode (kvbench.cache.kivi_static)
+        self._snapshot: tuple | None = None  # static mode: what this forward's attention reads
+
+    # -- static mode (kvbench.cache.kivi_static): rings and device counts ---------------------------
+    def reserve(self, capacity: int) -> None:
+        if self.num_tokens:
+            raise ValueError("reserve() must come before the first update")
+        self._ring = KIVIStatic(self, capacity)
+        self.static = True
+
+    def advance(self, t: int) -> None:
+        self._ring.advance(t)
+        self.num_tokens += t
+
+    def step_kind(self):
+        return self._ring.step_kind() if self._ring is not None else ()
+
+    def held_tensors(self):
+        if self._ring is None:
+            return super().held_tensors()
+        return merge_held(self.kq.held_tensors(), self.vq.held_tensors(), self._ring.held())
+
+    def bytes_reserved(self) -> int:
+        if self._ring is None:
+            return super().bytes_reserved()
+        return self.kq.bytes_reserved() + self.vq.bytes_reserved() + self._ring.bytes_reserved()
 
     def append(self, keys, values):
         self.k_res.append(keys)
@@ -82,6 +109,13 @@ class KIVILayer(CompositeLayer):
     fused_decode = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self._ring is not None:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self._snapshot = self._ring.snapshot() if self.num_tokens else None
+            self._pending = None
+            self._ring.append(key_states, value_states)
+            return key_states, value_states
         fused = self.fused_decode and self.backend == "triton"
         if not fused or key_states.shape[-2] > 2 or not self.num_tokens:
             self._before = None
@@ -101,6 +135,16 @@ class KIVILayer(CompositeLayer):
         return key_states, value_states
 
     def attend(self, module, query, keys, values, attention_mask, **kwargs):
+        if self._snapshot is not None:
+            snapshot, self._snapshot = self._snapshot, None
+            if attention_mask is not None or query.shape[-2] != 1:
+                raise ValueError("a static KIVI step takes one unpadded query token")
+            from kvbench.kernels.cpu.parts import read_kernels
+
+            scaling = kwargs.get("scaling") or module.scaling
+            reader = read_kernels(self.read_backend, query.device)
+            out = ring_attention(query, snapshot, self.residual, scaling, keys, values, reader)
+            return out.transpose(1, 2).contiguous().to(query.dtype), None
         if self._before is None:
             return super().attend(module, query, keys, values, attention_mask, **kwargs)
         kq, k_res, vq, v_res = self._before

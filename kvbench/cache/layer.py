@@ -40,12 +40,15 @@ class StoredTokens:
     a kv head's entries are not in sequence order, their positions (``[B, H_kv, T]`` int64, -1 for
     an entry never attended; see :func:`~kvbench.cache.blockwise.blockwise_attention`), or, for
     entries in order whose last k replace k earlier ones, ``replaced`` (``[B, H_kv, k]``; see
-    :func:`~kvbench.cache.blockwise.single_call_attention`)."""
+    :func:`~kvbench.cache.blockwise.single_call_attention`). ``hidden``: a static layer's sources
+    cover its stores' whole capacity; bool ``[T]`` on the device, True at entries not written
+    (:mod:`kvbench.cache.static`)."""
 
     keys: TokenSource
     values: TokenSource
     positions: torch.Tensor | None = None
     replaced: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
     @property
     def num_entries(self) -> int:
@@ -99,6 +102,7 @@ class KVLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.num_tokens = 0
         self._pending: StoredTokens | None = None  # what update() took for attend()
+        self.static = False  # reserve(): the graph-capturable step of kvbench.cache.static
 
     @property
     def stored_for_attention(self) -> StoredTokens | None:
@@ -177,9 +181,60 @@ class KVLayer(CacheLayerMixin):
         included. Reported beside the held bytes, never in them. Default: what it holds."""
         return sum(t.numel() * t.element_size() for ts in self.held_tensors().values() for t in ts)
 
+    # -- static mode (kvbench.cache.static) -----------------------------------------------------
+    def static_stores(self) -> tuple:
+        """The stores a static layer reserves and advances (each with ``reserve``, ``advance`` and
+        ``static_source``); keys' store first, values' second. A layer without a static step
+        raises: its method's config refuses ``method.cuda_graph`` before a model loads
+        (:meth:`~kvbench.methods.base.MethodConfig.static_step_refusal`), so this is a guard."""
+        raise NotImplementedError(f"{type(self).__name__} has no static (graph-capturable) decode step")
+
+    def reserve(self, capacity: int) -> None:
+        """Preallocate for ``capacity`` tokens with device-side lengths, before the first update."""
+        if self.num_tokens:
+            raise ValueError("reserve() must come before the first update")
+        for store in self.static_stores():
+            store.reserve(capacity)
+        self.static = True
+
+    def step_kind(self) -> tuple:
+        """What the next one-token static step does, where that varies (KIVI's flush every R
+        steps), as known on the host: one captured graph per kind. Default: one kind."""
+        return ()
+
+    def advance(self, t: int) -> None:
+        """Count the ``t`` tokens the latest forward (eager, captured or replayed) stored."""
+        for store in self.static_stores():
+            store.advance(t)
+        self.num_tokens += t
+
+    def static_stored(self) -> StoredTokens | None:
+        """The stores' whole capacity as sources, the entries not written before this forward's
+        hidden (computed now: this forward's append moves the device counts on). With more than
+        two stores, keys' and values' alternate (``static_stores`` order: keys' parts, then values'
+        parts, each half in token order), read as one concatenation each."""
+        stores = self.static_stores()
+        half = len(stores) // 2
+        parts = [store.static_source() for store in stores]
+        if any(part is None for part in parts):
+            return None
+        keys, values = parts[:half], parts[half:]
+        hidden = [torch.arange(src.num_tokens, device=n.device) >= n for src, n in keys]
+        return StoredTokens(
+            keys[0][0] if half == 1 else ConcatSource([src for src, _ in keys]),
+            values[0][0] if half == 1 else ConcatSource([src for src, _ in values]),
+            hidden=hidden[0] if half == 1 else torch.cat(hidden),
+        )
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.static:
+            # nothing here may read a host count that changes per step (the count moves on
+            # advance()): a CUDA graph captured over this replays the next step
+            self._pending = self.static_stored() if self.num_tokens else None
+            self.append(key_states, value_states)
+            return key_states, value_states
         self._pending = self.stored() if self.num_tokens else None
         if self.num_tokens and self._pending is None:
             # no sources: the reference path, the whole cache reconstructed
@@ -238,6 +293,7 @@ class KVLayer(CacheLayerMixin):
             positions=stored.positions,
             observer=observer,
             replaced=stored.replaced,
+            hidden=stored.hidden,
             reader=read_kernels(self.read_backend, query.device),
         )
 

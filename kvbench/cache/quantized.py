@@ -83,7 +83,8 @@ class QuantizedTokens:
         self._codes.append(packed)
         self._scale.append(scale)
         self._zero.append(zero)
-        self.num_tokens += x.shape[-2]
+        if not self.static:  # a static store counts on advance()
+            self.num_tokens += x.shape[-2]
 
     def _triton_append(self, x: torch.Tensor):
         """``(packed, scale, zero)`` of ``x`` from :func:`~kvbench.kernels.quant_pack.quantize_pack`
@@ -149,6 +150,61 @@ class QuantizedTokens:
 
     def bytes_reserved(self) -> int:
         return sum(b.bytes_reserved() for b in (self._codes, self._scale, self._zero))
+
+    # -- static mode (kvbench.cache.static) ------------------------------------------------------
+    def reserve(self, capacity: int) -> None:
+        """Hold ``capacity`` tokens in fixed buffers with a device-side count (per-channel axis: a
+        multiple of G, appended in whole groups)."""
+        rows = 1
+        if self.axis == "channel":
+            if not self.group_size or capacity % self.group_size:
+                raise ValueError(
+                    f"a static per-channel store holds whole groups: {capacity} tokens, G={self.group_size}"
+                )
+            rows = self.group_size
+        self._codes.reserve(capacity)
+        self._scale.reserve(capacity // rows)
+        self._zero.reserve(capacity // rows)
+
+    @property
+    def static(self) -> bool:
+        return self._codes.static
+
+    def allocate_like(self, x: torch.Tensor) -> None:
+        """Static mode: allocate the buffers for tokens shaped like ``x [B, H_kv, t, D]`` without
+        storing any (a layer whose prefill stores none here still reads the store's full shape)."""
+        if self._codes.full_view() is not None:
+            return
+        rows = self.group_size if self.axis == "channel" else 1
+        probe = torch.zeros(*x.shape[:-2], rows, x.shape[-1], dtype=x.dtype, device=x.device)
+        codes, scale, zero = quantize_grouped(
+            probe, self.levels, self.axis, self.group_size, zero_point=self.zero_point,
+            param_dtype=self.param_dtype, arithmetic=self.arithmetic,
+        )  # fmt: skip
+        self.head_dim = x.shape[-1]
+        for buf, part in ((self._codes, pack(codes, self.levels)), (self._scale, scale), (self._zero, zero)):
+            buf.append(part[..., :0, :])  # a static buffer allocates on its first append, even of 0
+
+    def advance(self, t: int) -> None:
+        rows = self.group_size if self.axis == "channel" else 1
+        self._codes.advance(t)
+        self._scale.advance(t // rows)
+        self._zero.advance(t // rows)
+        self.num_tokens += t
+
+    def static_source(self):
+        """``(source, length)``: the whole capacity as a per-token source (unwritten tokens have
+        zero codes, scale and zero) and the device count of tokens written; None before the first
+        append."""
+        codes = self._codes.full_view()
+        if codes is None:
+            return None
+        group = self.group_size or self.head_dim
+        kind = PerTokenAffineSource if self.axis == "token" else PerChannelAffineSource
+        source = kind(
+            codes, self._scale.full_view(), self._zero.full_view(), self.levels, group, self.head_dim
+        )
+        return source, self._codes.length
 
     def dequantize(self) -> torch.Tensor:
         """``float32 [B, H_kv, T, D]``; an empty store has no shape to give and raises."""

@@ -119,6 +119,31 @@ class RotatedCodes:
     def bytes_reserved(self) -> int:
         return self._codes.bytes_reserved() + self._norms.bytes_reserved()
 
+    # -- static mode (kvbench.cache.static) -----------------------------------------------------
+    def reserve(self, capacity: int) -> None:
+        self._codes.reserve(capacity)
+        self._norms.reserve(capacity)
+
+    def advance(self, t: int) -> None:
+        self._codes.advance(t)
+        self._norms.advance(t)
+
+    def static_source(self):
+        """``(source, length)``: the whole capacity (unwritten tokens: code 0, norm 0, so they read
+        as zero vectors) and the device count of tokens written; None before the first append."""
+        codes = self._codes.full_view()
+        if codes is None:
+            return None
+        source = CodebookSource(
+            codes,
+            self.levels,
+            self.head_dim,
+            self.centroids,
+            scale=self._norms.full_view(),
+            rotation=self.rotations.get(),
+        )
+        return source, self._codes.length
+
     def dequantize(self) -> torch.Tensor:
         """float32 ``[B, H_kv, T, D]``: ||x|| * Pi^T c[q]."""
         q = unpack(self.codes, self.levels, self.head_dim)
@@ -228,6 +253,22 @@ class ChannelSplitCodes:
     def bytes_reserved(self) -> int:
         held = 0 if self.channels is None else self._held_channels().nbytes
         return self.outlier.bytes_reserved() + self.regular.bytes_reserved() + held
+
+    # -- static mode (kvbench.cache.static): the outlier set is chosen by the prefill ------------
+    def reserve(self, capacity: int) -> None:
+        self.outlier.reserve(capacity)
+        self.regular.reserve(capacity)
+
+    def advance(self, t: int) -> None:
+        self.outlier.advance(t)
+        self.regular.advance(t)
+
+    def static_source(self):
+        outlier, regular = self.outlier.static_source(), self.regular.static_source()
+        if outlier is None:
+            return None
+        parts = [(outlier[0], self.channels), (regular[0], self.rest)]
+        return ChannelSplitSource(parts, self.head_dim), regular[1]
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[B, H_kv, T, D]``: each set's reconstruction at its channels."""

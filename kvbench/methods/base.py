@@ -10,7 +10,7 @@ import torch
 from kvbench.cache import KVBenchCache, KVLayer
 from kvbench.cache.sink import SinkLayer
 from kvbench.cache.sliding import SlidingWindowLayer
-from kvbench.config import DTYPES, build_config, check_choice, inert, is_int, require
+from kvbench.config import DTYPES, build_config, check_choice, inert, is_int, not_in_run_id, require
 from kvbench.errors import ConfigError
 from kvbench.kernels.runtime import require_triton, triton_available
 from kvbench.models import ModelShape
@@ -54,7 +54,14 @@ class MethodConfig:
     layer's cache. Such a layer holds every token it was given (methods cannot drop a token from
     their codes), the model's sliding mask keeps attention to the window, and its accounting counts
     what it holds: effective bits are then the method's, not transformers' window's. A run records
-    the rule it used in its metrics (``sliding_windows``)."""
+    the rule it used in its metrics (``sliding_windows``).
+
+    ``cuda_graph`` turns on the static decode step (:mod:`kvbench.cache.static`): the cache is
+    preallocated to the request's capacity with device-side lengths, and on CUDA each request's
+    decode step is captured once as a CUDA graph and replayed; elsewhere the same static step runs
+    eagerly. It stores the same bytes and computes the same attention (over zero-filled, hidden
+    rows past the written ones), so it is not part of the run id. Methods declare whether their
+    cache has such a step (:meth:`static_step_refusal`)."""
 
     name: str = ""
     bits: float | None = None
@@ -62,6 +69,7 @@ class MethodConfig:
     backend: str = "auto"
     sink_tokens: int = 0
     sliding_windows: str = inert("full_precision")
+    cuda_graph: bool = not_in_run_id(False)
 
     default_bits: ClassVar[float | None] = None
     # Bumped whenever the method's stored bytes or attention change for the same config: a version
@@ -76,6 +84,9 @@ class MethodConfig:
     # against 110 s) and on a GPU (unfused torch code reads and dequantizes the cache; assumed).
     cost_cpu: ClassVar[float] = 1.3
     cost_gpu: ClassVar[float] = 2.0
+    # What of this method has a static (graph-capturable) decode step, in words for the refusal of
+    # the others (None: nothing); static_step_refusal says whether this config is covered.
+    static_step: ClassVar[str | None] = None
 
     def __post_init__(self):
         check_choice("method.fp_dtype", self.fp_dtype, (*DTYPES, "auto"))
@@ -90,6 +101,16 @@ class MethodConfig:
         require(self.sink_tokens >= 0, "method.sink_tokens", self.sink_tokens, "a token count >= 0")
         if self.backend == "triton":
             require_triton("method.backend")
+        require(isinstance(self.cuda_graph, bool), "method.cuda_graph", self.cuda_graph, "true or false")
+        if self.cuda_graph:
+            refusal = self.static_step_refusal()
+            if refusal is not None:
+                covered = ", ".join(
+                    step for n in METHODS.names() if (step := METHODS.get(n).Config.static_step)
+                )
+                raise ConfigError(
+                    "method.cuda_graph", True, f"{refusal}; a static decode step exists for {covered}"
+                )
         if self.bits is None:
             self.bits = self.default_bits
         if self.bits is not None:
@@ -127,6 +148,26 @@ class MethodConfig:
 
     def check_model(self, shape: ModelShape) -> None:
         """Checks that need the model (group sizes against head_dim, ...). Raise ConfigError."""
+
+    def static_step_refusal(self) -> str | None:
+        """Why this config has no static decode step (``method.cuda_graph``), None when it has one.
+        Default: the method has none."""
+        if self.static_step is None:
+            return f"{self.name}'s cache has no static decode step"
+        if self.sink_tokens:
+            return "sink_tokens > 0 (the sink layer has no static step)"
+        return None
+
+    def check_static_model(self, shape: ModelShape) -> None:
+        """``method.cuda_graph`` against the model: sliding-window layers keep a rolling window, which
+        has no static step."""
+        sliding = shape.sliding_layers()
+        if self.cuda_graph and sliding:
+            raise ConfigError(
+                "method.cuda_graph",
+                True,
+                f"a model without sliding-window layers (this one has them at layers {sliding})",
+            )
 
     def context_warnings(self, lengths: list[int]) -> dict[str, str]:
         """Settings that defeat the method at these prompt lengths (tokens): warning code -> one line.

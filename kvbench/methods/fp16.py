@@ -24,6 +24,7 @@ class FP16Config(MethodConfig):
     bits_knob: ClassVar[str | None] = None  # nothing is quantized: the run's bits change nothing
     cost_cpu: ClassVar[float] = 1.0  # the unit of every other method's cost
     cost_gpu: ClassVar[float] = 1.0
+    static_step: ClassVar[str | None] = "fp16"
 
 
 class FullPrecisionLayer(KVLayer):
@@ -43,6 +44,9 @@ class FullPrecisionLayer(KVLayer):
 
     def bytes_reserved(self):
         return self.k.bytes_reserved() + self.v.bytes_reserved()
+
+    def static_stores(self):
+        return self.k, self.v
 
     def held_tensors(self):
         return {"fp": self.k.tensors() + self.v.tensors()}

@@ -44,6 +44,7 @@ class KIVIConfig(AffineKVConfig):
     arithmetic: str = "kivi"
 
     default_bits: ClassVar[float] = 2.0
+    static_step: ClassVar[str | None] = "kivi"
 
     def __post_init__(self):
         super().__post_init__()

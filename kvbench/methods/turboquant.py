@@ -86,6 +86,12 @@ class TurboQuantConfig(FullPrecisionWindow, MethodConfig):
     # bytes are the same) and read by TritonReader (rotated codebook parts, the channel split).
     backends: ClassVar[tuple[str, ...]] = ("auto", "torch", "triton")
     default_bits: ClassVar[float] = 2.0
+    static_step: ClassVar[str | None] = "turboquant (residual 0)"
+
+    def static_step_refusal(self):
+        if self.residual:
+            return "turboquant with residual > 0 keeps a rolling full-precision window"
+        return super().static_step_refusal()
 
     def __post_init__(self):
         super().__post_init__()
@@ -159,6 +165,9 @@ class TurboQuantLayer(CompositeLayer):
             self.vq = RotatedCodes(cfg.levels(cfg.value_bits), self.rotations)
         self.k_res = FullPrecisionTokens(fp_dtype)
         self.v_res = FullPrecisionTokens(fp_dtype)
+
+    def static_stores(self):
+        return self.kq, self.vq
 
     def append(self, keys, values):
         if not self.rotations.tag:

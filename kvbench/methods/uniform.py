@@ -36,6 +36,7 @@ class UniformConfig(MethodConfig):
     zero_point: str = "minmax"
 
     default_bits: ClassVar[float] = 2.0
+    static_step: ClassVar[str | None] = "uniform (key_axis and value_axis token)"
 
     def __post_init__(self):
         super().__post_init__()
@@ -53,6 +54,11 @@ class UniformConfig(MethodConfig):
 
     def stored_levels(self):
         return (self.levels(),)
+
+    def static_step_refusal(self):
+        if "channel" in (self.key_axis, self.value_axis):
+            return "uniform with a channel axis keeps a full-precision tail until a group fills"
+        return super().static_step_refusal()
 
     def check_model(self, shape):
         if "token" in (self.key_axis, self.value_axis):
@@ -84,6 +90,9 @@ class UniformLayer(CompositeLayer):
         full = len(pending) // self.group_size * self.group_size
         if full:
             store.append(pending.pop_front(full))
+
+    def static_stores(self):
+        return self.kq, self.vq
 
     def append(self, keys, values):
         self._store(self.kq, self.k_res, keys)
