@@ -14,12 +14,25 @@ attention, outliers included (:class:`~kvbench.cache.codebook_source.CodebookSou
 Appends run inside every decode step, so they avoid making the host wait for the device: the
 codebook, its decision boundaries and fixed ranges are kept in float32 per device (built once, not
 converted at every append), and per-token outliers, a fixed count per vector, are laid out from their
-top-k indices (no mask read back). Threshold outliers (fixed ranges: keys) are as many as the data
-say, so in torch their count must come to the host: one ``nonzero`` per append. On the CPU (backend
-``auto``) the whole append is one compiled call (``dense_sparse_quantize_pack`` in
-``kvbench/kernels/cpu/attention.cpp``, bit-identical to the torch path): the codes, the ranges and
-the outlier entries come out together and nothing is read back; on a GPU the torch path keeps its
-``nonzero``.
+top-k indices (no mask read back). Threshold outliers (fixed ranges: keys) have two layouts
+(``outlier_layout``):
+
+- ``ragged``: every element beyond its channel's threshold, as many as the data say
+  (:func:`~kvbench.quant.nuq.key_outliers`), so in torch their count must come to the host: one
+  ``nonzero`` per append. On the CPU (backend ``auto``) the whole append is one compiled call
+  (``dense_sparse_quantize_pack`` in ``kvbench/kernels/cpu/attention.cpp``, bit-identical to the
+  torch path): the codes, the ranges and the outlier entries come out together and nothing is read
+  back.
+- ``fixed``: ``k = outlier_count(D, f)`` per vector, those beyond their threshold by the most
+  (:func:`~kvbench.quant.nuq.key_outliers_fixed`), laid out from their indices as the per-token
+  outliers are: no host sync. Elements beyond the threshold that do not fit are coded like any
+  other, clamped to the range, and counted on the device (:meth:`DenseSparseTokens.overflow`).
+- ``auto`` (default): ``fixed`` where the append runs on a device or with backend ``triton``,
+  ``ragged`` on the CPU otherwise (the compiled call, or torch's ``nonzero``, which waits for
+  nothing there), resolved at the first append.
+
+Both layouts code every element alike (the codes do not depend on the outliers), and their entries
+read through the same sources.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from kvbench.cache.growable import GrowableTokens
 from kvbench.kernels.cpu import cpu_kernels
 from kvbench.quant.nuq import (
     key_outliers,
+    key_outliers_fixed,
     masked_range,
     midpoints,
     nearest_code,
@@ -44,6 +58,8 @@ from kvbench.quant.nuq import (
     topk_outliers,
 )
 from kvbench.quant.packing import chunk_layout, pack, unpack
+
+OUTLIER_LAYOUTS = ("auto", "ragged", "fixed")
 
 
 class _Tables(NamedTuple):
@@ -56,12 +72,25 @@ class DenseSparseTokens:
     """Codebook codes of ``[B, H_kv, T, D]`` plus sparse fp16 outliers. ``channel_range`` (fp16
     ``(scale, zero)`` of shape ``[H_kv, D]``) selects per-channel fixed ranges; ``None`` per-token
     online ranges. ``backend``: ``auto`` appends through the compiled CPU kernel where it built,
-    ``torch`` always through the reference."""
+    ``torch`` (or ``triton``) always through the reference. ``outlier_layout``
+    (:data:`OUTLIER_LAYOUTS`): how threshold outliers are held (see the module docstring); ``auto``
+    is resolved at the first append, after which the attribute holds the layout that ran."""
 
     def __init__(
-        self, levels: int, codebook: torch.Tensor, fraction: float, channel_range=None, backend: str = "auto"
+        self,
+        levels: int,
+        codebook: torch.Tensor,
+        fraction: float,
+        channel_range=None,
+        backend: str = "auto",
+        outlier_layout: str = "auto",
     ):
+        if outlier_layout not in OUTLIER_LAYOUTS:
+            raise ValueError(f"outlier_layout must be one of {OUTLIER_LAYOUTS}, got {outlier_layout!r}")
         self.levels, self.fraction, self.backend = levels, fraction, backend
+        self.outlier_layout = outlier_layout
+        # threshold outliers beyond the fixed layout's budget, summed on the device (never read per step)
+        self._overflow: torch.Tensor | None = None
         self.codebook = codebook.half()  # what is held
         self.channel_range = channel_range
         self._codes = GrowableTokens(torch.uint8)
@@ -92,13 +121,20 @@ class DenseSparseTokens:
         b, h, t, d = x.shape
         self.shape = (b, h, d)
         tables = self.tables(x.device)
+        self._resolve_layout(x.device)
         if self._compiled_append(x, tables):
             self.num_tokens += t
             return
-        top = None
+        top = mask = None
         if tables.channel_range is not None:
             scale, zero = tables.channel_range
-            mask = key_outliers(x, scale, zero, self.fraction)
+            if self.outlier_layout == "fixed":
+                fixed = key_outliers_fixed(x, scale, zero, self.fraction)
+                if fixed is not None:
+                    top, overflow = fixed
+                    self._count_overflow(overflow)
+            else:
+                mask = key_outliers(x, scale, zero, self.fraction)
         else:
             top = topk_outliers(x, self.fraction) if self.fraction > 0 else None
             mask = None if top is None else topk_outlier_mask(x, self.fraction, top)
@@ -118,10 +154,29 @@ class DenseSparseTokens:
             self._append_sparse(it[order], ((ib * h + ih) * d + id_)[order], vals[order])
         self.num_tokens += t
 
+    def _resolve_layout(self, device: torch.device) -> None:
+        if self.outlier_layout == "auto":
+            on_device = device.type != "cpu" or self.backend == "triton"
+            self.outlier_layout = "fixed" if on_device else "ragged"
+
+    def _count_overflow(self, overflow: torch.Tensor) -> None:
+        """Adds the overflow ``[B, H, t]`` of an append to the device-side total."""
+        if self._overflow is None:
+            self._overflow = torch.zeros((), dtype=torch.int64, device=overflow.device)
+        self._overflow += overflow.sum()
+
+    def overflow(self) -> torch.Tensor | None:
+        """int64 scalar on the store's device: the elements beyond their channel's threshold that the
+        fixed layout had no slot for, over every append (coded and clamped like in-range ones); None
+        where no fixed-layout append with outliers ran. Reading it is a host sync: once per request."""
+        return self._overflow
+
     def _compiled_append(self, x: torch.Tensor, tables: _Tables) -> bool:
         """The append as one compiled call on the CPU; False where it does not run (another backend
-        or device, or no compiled kernels)."""
+        or device, no compiled kernels, or fixed-layout threshold outliers, which it does not lay out)."""
         if self.backend != "auto" or x.device.type != "cpu":
+            return False
+        if tables.channel_range is not None and self.outlier_layout == "fixed":
             return False
         module = cpu_kernels()
         if module is None:

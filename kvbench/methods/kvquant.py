@@ -23,7 +23,18 @@ Components (each switchable for the ablation):
   the calibrated per-channel thresholds (the f/2 and 1-f/2 quantiles of the channel); values: the
   ceil(f D) largest-magnitude elements of each token. Outliers are held in fp16 with their positions
   and excluded from the range; 0 disables (ranges are then min/max and keys are clamped to the
-  calibrated range).
+  calibrated range). ``outlier_layout`` decides how the key outliers are held: ``ragged``, every
+  element beyond its channel's threshold (as many as the data say: on a device, one host read per
+  append); ``fixed``, ``ceil(f D)`` per (token, head) vector, those beyond their threshold by the
+  most relative to the channel's range, so that the append never waits for the device (a vector's
+  elements beyond the threshold that do not fit are coded and clamped like in-range ones and counted
+  as overflow; slots left over hold its most extreme in-range elements, exactly);
+  ``auto`` (default), ``fixed`` where the append runs on a device or with backend ``triton``,
+  ``ragged`` otherwise (the CPU runs, whose bytes and run ids stay those of the runs before the
+  knob). ``fixed`` is written in the label (``-o0.01fixed``); a run that held key outliers in the
+  fixed layout without asking for it (``auto``), or whose fixed layout overflowed, says so in its
+  warnings (``kvquant_fixed_outliers``, from the overflow counted on the device and read once per
+  request).
 - Attention sink (Sec. 3.5, ``sink``): the first token is kept in fp16 (``sink_tokens = 1``,
   :class:`kvbench.cache.sink.SinkLayer`) and left out of calibration.
 - Offline calibration (Sec. 3.6, ``calibrate``): :meth:`KVQuant.prepare` runs the model over
@@ -44,7 +55,8 @@ element, :mod:`kvbench.quant.packing`), ``scales``/``zeros`` (fp16: per token fo
 int32 token index, int16 (or int32) index of (batch, head, channel), fp16 value). Backend ``auto``
 (default) appends and reads through the compiled CPU kernels where they built (bit-identical
 appends; reads equal to float rounding), ``torch`` through the reference only, ``triton`` appends
-through the reference and reads through :class:`~kvbench.kernels.triton_parts.TritonReader`.
+through the reference (key outliers in the fixed layout unless ``outlier_layout=ragged``: no host
+sync) and reads through :class:`~kvbench.kernels.triton_parts.TritonReader`.
 """
 
 from __future__ import annotations
@@ -55,13 +67,14 @@ from typing import ClassVar
 import torch
 
 from kvbench.cache import KVLayer
-from kvbench.cache.dense_sparse import DenseSparseTokens
+from kvbench.cache.dense_sparse import OUTLIER_LAYOUTS, DenseSparseTokens
 from kvbench.cache.layer import StoredTokens
 from kvbench.cache.source import RoPESource
 from kvbench.config import check_choice, inert, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, register_method
 from kvbench.methods.kvquant_calibration import LayerCalibration, calibrate, calibrate_layer
+from kvbench.quant.nuq import outlier_count
 from kvbench.quant.rope import RoPESpec, layer_rope, pre_rope_problem, rotate
 
 DATATYPES = ("nuq", "uniform")
@@ -80,10 +93,13 @@ class KVQuantConfig(MethodConfig):
     calibration_tokens: int = 2048
     calibration_data: str = inert("wikitext2")
     sensitivity_weighted: bool = False
+    # added after the CPU runs were stored: auto is ragged there, what they computed
+    outlier_layout: str = inert("auto")
 
-    # triton: appends run the torch reference (DenseSparseTokens has no Triton quantizer; its
-    # threshold outliers keep one nonzero per append on a device, as under ``auto`` on CUDA), reads
-    # run TritonReader (codebook parts, pre-RoPE keys rotated in the kernel, sparse outliers).
+    # triton: appends run the torch reference (DenseSparseTokens has no Triton quantizer; outlier_layout
+    # auto holds the key outliers in the fixed layout there, as on CUDA, so no append waits for the
+    # device; ragged keeps one nonzero per append), reads run TritonReader (codebook parts, pre-RoPE
+    # keys rotated in the kernel, sparse outliers).
     backends: ClassVar[tuple[str, ...]] = ("auto", "torch", "triton")
     default_bits: ClassVar[float] = 3.0
 
@@ -96,6 +112,7 @@ class KVQuantConfig(MethodConfig):
             "not implemented (Fisher-weighted k-means needs gradients); only false (unweighted k-means)",
         )
         check_choice("method.datatype", self.datatype, DATATYPES)
+        check_choice("method.outlier_layout", self.outlier_layout, OUTLIER_LAYOUTS)
         f = self.outlier_fraction
         require(
             0 <= f < 0.5,
@@ -189,7 +206,12 @@ class KVQuantLayer(KVLayer):
         f = self.cfg.outlier_fraction
         backend = self.cfg.backend
         self.kq = DenseSparseTokens(
-            self.k_levels, cal.key_codebook, f, (cal.key_scale, cal.key_zero), backend=backend
+            self.k_levels,
+            cal.key_codebook,
+            f,
+            (cal.key_scale, cal.key_zero),
+            backend=backend,
+            outlier_layout=self.cfg.outlier_layout,
         )
         self.vq = DenseSparseTokens(self.v_levels, cal.value_codebook, f, backend=backend)
 
@@ -250,6 +272,41 @@ class KVQuant(Method):
     def __init__(self, config: KVQuantConfig):
         super().__init__(config)
         self.calibration: list[LayerCalibration] | None = None
+        # over the requests whose key outliers were held in the fixed layout (run_warnings)
+        self.fixed_requests = self.fixed_overflow = self.fixed_key_values = self.fixed_budget = 0
+
+    def end_request(self, cache) -> None:
+        """Adds up what the request's key stores held in the fixed outlier layout: their overflow
+        counters are read once per request, never per step."""
+        stores = [
+            layer.kq
+            for part in cache.layers
+            for layer in (part, getattr(part, "inner", None))
+            if isinstance(layer, KVQuantLayer) and layer.kq is not None
+        ]
+        fixed = [s for s in stores if s.outlier_layout == "fixed" and s.overflow() is not None]
+        if not fixed:
+            return
+        device = fixed[0].overflow().device
+        self.fixed_requests += 1
+        self.fixed_overflow += int(sum(s.overflow().to(device) for s in fixed))
+        self.fixed_key_values += sum(s.quantized_values() for s in fixed)
+        self.fixed_budget = outlier_count(fixed[0].shape[2], self.config.outlier_fraction)
+
+    def run_warnings(self) -> dict[str, str]:
+        asked = self.config.outlier_layout == "fixed"
+        if not self.fixed_requests or (asked and not self.fixed_overflow):
+            return {}
+        how = "method.outlier_layout=fixed" if asked else "method.outlier_layout=auto on a device or triton"
+        share = 100 * self.fixed_overflow / max(self.fixed_key_values, 1)
+        return {
+            "kvquant_fixed_outliers": (
+                f"{self.label()}: key outliers held as a fixed {self.fixed_budget} per vector ({how}), "
+                f"not every element beyond its channel's threshold; over {self.fixed_requests} request(s), "
+                f"{self.fixed_overflow} of {self.fixed_key_values} key elements ({share:.3g}%) were beyond "
+                "it with no slot left and were clamped to the range"
+            )
+        }
 
     def prepare(self, model, tokenizer, shape, data_root) -> None:
         self.config.check_model(shape)  # the runner checked already; cheap, for direct callers
@@ -268,6 +325,8 @@ class KVQuant(Method):
         c = self.config
         bits = f"{c.key_bits:g}" if c.key_bits == c.value_bits else f"k{c.key_bits:g}v{c.value_bits:g}"
         label = f"kvquant-{c.datatype}{bits}b-o{c.outlier_fraction:g}"
+        if c.outlier_layout == "fixed" and c.outlier_fraction > 0:
+            label += "fixed"  # auto's layout is not known before the append; the run's warnings say it
         if not c.pre_rope:
             label += "-postrope"
         if not c.calibrate:

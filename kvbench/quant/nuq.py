@@ -17,6 +17,10 @@ range. Per-channel (keys) the thresholds come from calibration: ``lo_c``/``hi_c`
 ``f/2`` and ``1 - f/2`` quantiles of channel c, and any element outside ``[lo_c, hi_c]`` is an
 outlier. Per-token (values, online) the ``ceil(f * D)`` elements of largest magnitude are outliers
 and ``[lo, hi]`` is the min/max of the rest.
+
+The per-channel rule gives each vector as many outliers as the data say. Held as a fixed count per
+vector instead (:func:`key_outliers_fixed`: the outlier fraction of Sec. 3.4 as a budget of
+``ceil(f * D)`` per vector), their places are known without reading a count back from the device.
 """
 
 from __future__ import annotations
@@ -139,3 +143,35 @@ def key_outliers(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fract
     if fraction <= 0:
         return None
     return (x.float() - zero.float()).abs() > scale.float()
+
+
+# the least float32 above 1: where every element beyond its threshold ranks, at the least
+_ABOVE_ONE = 1.0 + torch.finfo(torch.float32).eps
+
+
+def key_outliers_fixed(
+    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fraction: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Threshold outliers (:func:`key_outliers`) held as a fixed count per vector: the channel
+    indices ``[..., k]`` (ascending), ``k = outlier_count(D, fraction)``, of the elements of ``x
+    [..., D]`` that exceed the calibrated range ``[zero - scale, zero + scale]`` of their channel
+    the most, relative to it (``|x - zero| / scale - 1``), and the overflow ``[...]`` (int64) of
+    each vector: its elements beyond the threshold that do not fit. None when k is 0.
+
+    Every element beyond its threshold is kept while they fit (they rank above every element in
+    range); slots left over hold the in-range elements nearest their channel's bounds, kept exactly
+    too. Ties go to the lowest channel (a stable sort, as :func:`topk_outliers`). A channel of zero
+    range ranks any element off its centre first."""
+    k = outlier_count(x.shape[-1], fraction)
+    if not k:
+        return None
+    dist = (x.float() - zero.float()).abs()
+    scale = scale.float()
+    beyond = dist > scale
+    # the clamp keeps 0 / 0 off a zero-range channel; beyond elements are raised above every in-range
+    # ratio (<= 1), which they could equal after rounding
+    ratio = dist / scale.clamp(min=torch.finfo(torch.float32).tiny)
+    rank = torch.where(beyond, ratio.clamp(min=_ABOVE_ONE), ratio)
+    order = rank.sort(dim=-1, descending=True, stable=True).indices
+    overflow = (beyond.sum(-1) - k).clamp(min=0)
+    return order[..., :k].sort(dim=-1).values, overflow

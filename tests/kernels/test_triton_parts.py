@@ -257,8 +257,9 @@ TRITON_METHODS = {
     "semkv": {"chunk": 16},  # key_norm: scored at append, read through the parts
     "semkv-turboquant": {"name": "semkv", "base": "turboquant", "chunk": 16},
 }
-# KVQuant's threshold outliers are appended by the torch reference on triton: one nonzero per layer
-SYNCS_LEFT = {"kvquant": "DenseSparseTokens.append counts its threshold outliers on the host"}
+# What the torch reference is told so that it stores what the triton backend stores: KVQuant's
+# outlier_layout auto holds key outliers in the fixed layout on triton, ragged with torch on the CPU.
+TORCH_SAME_BYTES = {"kvquant": {"outlier_layout": "fixed"}}
 
 
 @functools.cache
@@ -290,9 +291,11 @@ def node_of(case: str) -> dict:
 @functools.cache
 def decode_step(case: str, backend: str, context: int):
     """Logits ``[1, 1, vocab]`` and op counts of the second decode step after a ``context``-token
-    fill, the backends that read the cache during that step, and the cache."""
+    fill, the backends that read the cache during that step, and the cache. ``torch`` is told
+    :data:`TORCH_SAME_BYTES`, so that it stores what ``triton`` stores."""
     s = script()
-    method = build_method({**node_of(case), "backend": backend})
+    same_bytes = TORCH_SAME_BYTES.get(case, {}) if backend == "torch" else {}
+    method = build_method({**node_of(case), "backend": backend, **same_bytes})
     runner = tiny_model().runner(method)
     cache = runner.new_cache()
     p = prompt(context)
@@ -317,17 +320,21 @@ def test_triton_decode_step_matches_torch(case, context):
 
 
 @interpreter_only
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(reason=SYNCS_LEFT[c], strict=True)) if c in SYNCS_LEFT else c
-        for c in TRITON_METHODS
-    ],
-)
+@pytest.mark.parametrize("case", list(TRITON_METHODS))
 def test_triton_decode_step_is_fixed_and_never_waits(case):
     short, long = (decode_step(case, "triton", n)[1] for n in CONTEXTS)
     assert short.total_ops == long.total_ops, (short.ops, long.ops)
     assert short.total_syncs == long.total_syncs == 0, long.describe_syncs()
+
+
+@interpreter_only
+def test_kvquant_on_triton_holds_its_key_outliers_in_the_fixed_layout():
+    """``auto`` resolves to the fixed layout on triton: the layout the torch reference above is told,
+    whose appends the test above finds free of syncs."""
+    cache = decode_step("kvquant", "triton", CONTEXTS[0])[3]
+    stores = [layer.inner.kq for layer in cache.layers]
+    assert [s.outlier_layout for s in stores] == ["fixed", "fixed"]
+    assert all(s.overflow() is not None for s in stores)
 
 
 @interpreter_only

@@ -10,10 +10,18 @@ import torch
 from kvbench.cache import memory_report
 from kvbench.cache.dense_sparse import DenseSparseTokens
 from kvbench.errors import ConfigError
+from kvbench.kernels.counting import count_ops
 from kvbench.methods import ModelShape, build_method
 from kvbench.methods.kvquant_calibration import LayerCalibration, calibrate_layer
 from kvbench.models import shape_of_config
-from kvbench.quant.nuq import channel_thresholds, kmeans_1d, nearest_code, topk_outlier_mask
+from kvbench.quant.nuq import (
+    channel_thresholds,
+    key_outliers,
+    key_outliers_fixed,
+    kmeans_1d,
+    nearest_code,
+    topk_outlier_mask,
+)
 from kvbench.quant.rope import apply_rope, invert_rope
 
 THETA = 100000.0
@@ -112,6 +120,82 @@ def test_key_outliers_follow_the_calibrated_channel_thresholds():
     assert torch.equal(out[outside], x[outside])
     # the rest is coded on the two signposts -1, +1 of [zero - scale, zero + scale]
     assert torch.equal(out[~outside], torch.sign(x[~outside]) + (x[~outside] == 0) * -1.0)
+
+
+# channels of different ranges, so that the exceedance relative to the range ranks otherwise than the
+# absolute one; every value fp16-exact
+FIXED_SCALE = torch.tensor([[1.0, 4.0, 1.0, 2.0, 1.0, 1.0, 0.5, 1.0]]).half()  # [H_kv = 1, D = 8]
+FIXED_ZERO = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]]).half()
+FIXED_KEYS = torch.tensor(
+    [
+        # one beyond (channel 6: |0.75| / 0.5 = 1.5); the next slot: channel 1 (3 / 4 = 0.75, in range)
+        [0.5, 3.0, 1.0, -1.0, 0.25, 0.0, 0.75, 0.0],
+        # three beyond: channels 0 (3 / 1 = 3), 1 (9 / 4 = 2.25), 3 (4.25 / 2 = 2.125); the absolute
+        # exceedance would keep 1 (5) and 3 (2.25) over 0 (2): channel 3 overflows
+        [3.0, -9.0, 1.5, 4.25, 0.0, -0.5, 0.25, 0.0],
+        # none beyond: the two nearest their bounds, channels 4 (0.875) and 2 (0.75)
+        [0.0, -2.0, 1.75, 1.0, -0.875, 0.5, 0.0, 0.0],
+    ]
+)[None, None]  # [B = 1, H_kv = 1, T = 3, D = 8]
+
+
+def test_fixed_key_outliers_keep_the_largest_exceedances_of_each_vector_by_hand():
+    scale, zero = FIXED_SCALE.float()[None, :, None], FIXED_ZERO.float()[None, :, None]
+    top, overflow = key_outliers_fixed(FIXED_KEYS, scale, zero, 0.25)  # ceil(0.25 * 8) = 2 per vector
+    assert top.tolist() == [[[[1, 6], [0, 1], [2, 4]]]]
+    assert overflow.tolist() == [[[0, 1, 0]]]
+    assert key_outliers_fixed(FIXED_KEYS, scale, zero, 0.0) is None
+
+    fixed = DenseSparseTokens(
+        2, torch.tensor([-1.0, 1.0]), 0.25, (FIXED_SCALE, FIXED_ZERO), outlier_layout="fixed"
+    )
+    fixed.append(FIXED_KEYS)
+    rows, cols, vals = fixed.sparse()
+    assert rows.tolist() == [0, 0, 1, 1, 2, 2] and cols.tolist() == [1, 6, 0, 1, 2, 4]
+    assert vals.tolist() == [3.0, 0.75, 3.0, -9.0, 1.75, -0.875]
+    assert fixed.num_outliers() == 6 and fixed.overflow().item() == 1
+    out = fixed.dequantize()
+    assert out[0, 0, 1, 3].item() == 2.0  # the overflow, clamped to zero + scale
+    # the codes are those of the ragged layout, which keeps the 1 + 3 + 0 elements beyond threshold
+    ragged = DenseSparseTokens(2, torch.tensor([-1.0, 1.0]), 0.25, (FIXED_SCALE, FIXED_ZERO), backend="torch")
+    ragged.append(FIXED_KEYS)
+    assert ragged.outlier_layout == "ragged" and ragged.overflow() is None
+    assert torch.equal(fixed.codes, ragged.codes)
+    assert ragged.sparse()[1].tolist() == [6, 0, 1, 3]
+    # held: exactly 2 entries per vector (int32 token, int16 column, fp16 value)
+    assert sum(t.numel() * t.element_size() for t in fixed.held_tensors()["sparse"]) == 3 * 2 * (4 + 2 + 2)
+
+
+def _key_store(layout: str, backend: str, d: int = 64) -> tuple[DenseSparseTokens, torch.Tensor]:
+    """A key store after a 40-token prefill, and one decode token to append (about 1% of the
+    elements beyond their channel's threshold)."""
+    g = torch.Generator().manual_seed(11)
+    rng = ((torch.rand(2, d, generator=g) + 1.0).half(), (0.1 * torch.randn(2, d, generator=g)).half())
+    store = DenseSparseTokens(4, torch.linspace(-1, 1, 4), 0.02, rng, backend=backend, outlier_layout=layout)
+    store.append(0.5 * torch.randn(1, 2, 40, d, generator=g))
+    return store, 0.5 * torch.randn(1, 2, 1, d, generator=g)
+
+
+def test_fixed_layout_appends_without_a_host_sync_where_ragged_reads_its_count():
+    ragged, token = _key_store("auto", "torch")  # auto on the CPU with torch: ragged, as before
+    with count_ops(sites=True) as counts:
+        ragged.append(token)
+    assert ragged.outlier_layout == "ragged" and counts.syncs["aten::nonzero"] == 1, counts.syncs
+    for layout, backend in (("fixed", "torch"), ("auto", "triton"), ("fixed", "auto")):
+        store, token = _key_store(layout, backend)
+        with count_ops(sites=True) as counts:
+            store.append(token)
+        assert store.outlier_layout == "fixed", (layout, backend)
+        assert counts.total_syncs == 0, counts.describe_syncs()
+        # 2 per vector (ceil(0.02 * 64)) over 2 heads and 41 tokens, whatever the data
+        assert store.num_outliers() == 2 * 2 * 41
+        assert store.overflow() is not None and store.overflow().dtype == torch.int64
+    # fixed on the CPU's auto backend is the torch append (the compiled call lays out ragged only)
+    want, token = _key_store("fixed", "torch")
+    want.append(token)
+    for a, b in zip(want.sparse(), store.sparse(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(want.codes, store.codes)
 
 
 def test_channel_thresholds_are_the_tail_quantiles():
@@ -253,6 +337,49 @@ def test_accounting_counts_codes_sparse_scales_and_codebook():
     assert report.nominal_code_bits == 2.0
 
 
+def test_fixed_layout_holds_k_per_vector_and_the_run_reports_its_overflow():
+    torch.manual_seed(7)
+    k, v = torch.randn(2, 1, 2, 41, 64).unbind(0)
+    node = {"name": "kvquant", "bits": 2, "calibrate": False, "pre_rope": False}
+    method, cache = _fill({**node, "outlier_layout": "fixed"}, k, v, 31)
+    assert method.label() == "kvquant-nuq2b-o0.01fixed-postrope-online-sink1"
+    layer = cache.layers[0].inner
+    t = 40  # one token in the sink
+    assert layer.kq.outlier_layout == "fixed" and layer.kq.num_outliers() == 2 * t  # 1 per vector
+    assert memory_report(cache.layers).bytes_by_component["sparse"] == (2 * t + 2 * t) * (4 + 2 + 2)
+    # the overflow: the elements beyond threshold that a vector's one slot does not hold
+    cal = layer.calibration
+    scale, zero = (p.float()[None, :, None, :] for p in (cal.key_scale, cal.key_zero))
+    beyond = key_outliers(k[:, :, 1:], scale, zero, 0.01).sum(-1)
+    expected = int((beyond - 1).clamp(min=0).sum())
+    assert expected > 0 and layer.kq.overflow().item() == expected
+    assert method.run_warnings() == {}  # read at the end of a request, never per step
+    method.end_request(cache)
+    warning = method.run_warnings()["kvquant_fixed_outliers"]
+    assert f"over 1 request(s), {expected} of {2 * t * 64} key elements" in warning
+    # auto on the CPU: ragged, as before the knob, and nothing to report
+    method, cache = _fill(node, k, v, 31)
+    method.end_request(cache)
+    assert cache.layers[0].inner.kq.outlier_layout == "ragged" and method.run_warnings() == {}
+    assert method.label() == "kvquant-nuq2b-o0.01-postrope-online-sink1"
+
+
+def test_outlier_layout_at_its_default_keeps_the_run_ids_of_earlier_runs():
+    from kvbench.results import run_id
+
+    before = {"bits": 2, "method": {"name": "kvquant", "bits": 2, "calibrate": False}}
+    ids = {
+        layout: run_id({**before, "method": {**before["method"], "outlier_layout": layout}})
+        for layout in ("auto", "ragged", "fixed")
+    }
+    assert ids["auto"] == run_id(before) and len(set(ids.values())) == 3
+
+
+def test_outlier_layout_error_names_the_choices():
+    with pytest.raises(ConfigError, match="allowed: auto, ragged, fixed"):
+        build_method({"name": "kvquant", "bits": 2, "outlier_layout": "topk"})
+
+
 # -- calibration through prepare -------------------------------------------------------------------
 
 
@@ -341,6 +468,7 @@ def test_calibrate_layer_excludes_outliers_from_the_codebook_values():
         ({"calibration_tokens": 0}, "method.calibration_tokens"),
         ({"pre_rope": "yes"}, "method.pre_rope"),
         ({"backend": "cuda"}, "method.backend"),
+        ({"outlier_layout": "topk"}, "method.outlier_layout"),
         ({"key_bits": 2.5}, "method.key_bits"),
         ({"group_size": 32}, "method.group_size"),
     ],
