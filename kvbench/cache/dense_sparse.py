@@ -27,9 +27,12 @@ top-k indices (no mask read back). Threshold outliers (fixed ranges: keys) have 
   (:func:`~kvbench.quant.nuq.key_outliers_fixed`), laid out from their indices as the per-token
   outliers are: no host sync. Elements beyond the threshold that do not fit are coded like any
   other, clamped to the range, and counted on the device (:meth:`DenseSparseTokens.overflow`).
-- ``auto`` (default): ``fixed`` where the append runs on a device or with backend ``triton``,
-  ``ragged`` on the CPU otherwise (the compiled call, or torch's ``nonzero``, which waits for
-  nothing there), resolved at the first append.
+- ``auto`` (default): ``fixed`` with backend ``triton``, ``ragged`` otherwise (on the CPU the
+  compiled call, or torch's ``nonzero``, which waits for nothing there), resolved at the first
+  append. Not by device: backend ``auto`` shares its run ids across devices (reads that differ by
+  float rounding only), and the two layouts store different values, so a CUDA run under ``auto``
+  keeps the paper's ragged outliers (and their ``nonzero``), while ``triton``, whose runs have ids
+  of their own, holds the fixed layout.
 
 Both layouts code every element alike (the codes do not depend on the outliers), and their entries
 read through the same sources.
@@ -156,8 +159,7 @@ class DenseSparseTokens:
 
     def _resolve_layout(self, device: torch.device) -> None:
         if self.outlier_layout == "auto":
-            on_device = device.type != "cpu" or self.backend == "triton"
-            self.outlier_layout = "fixed" if on_device else "ragged"
+            self.outlier_layout = "fixed" if self.backend == "triton" else "ragged"
 
     def _count_overflow(self, overflow: torch.Tensor) -> None:
         """Adds the overflow ``[B, H, t]`` of an append to the device-side total."""

@@ -29,12 +29,12 @@ Components (each switchable for the ablation):
   most relative to the channel's range, so that the append never waits for the device (a vector's
   elements beyond the threshold that do not fit are coded and clamped like in-range ones and counted
   as overflow; slots left over hold its most extreme in-range elements, exactly);
-  ``auto`` (default), ``fixed`` where the append runs on a device or with backend ``triton``,
-  ``ragged`` otherwise (the CPU runs, whose bytes and run ids stay those of the runs before the
-  knob). ``fixed`` is written in the label (``-o0.01fixed``); a run that held key outliers in the
-  fixed layout without asking for it (``auto``), or whose fixed layout overflowed, says so in its
-  warnings (``kvquant_fixed_outliers``, from the overflow counted on the device and read once per
-  request).
+  ``auto`` (default), ``fixed`` with backend ``triton`` (whose runs have ids of their own),
+  ``ragged`` otherwise, on any device (backend ``auto`` shares run ids across devices, so it keeps
+  the CPU runs' bytes and the ids of the runs before the knob). ``fixed`` is written in the label
+  (``-o0.01fixed``); a run that held key outliers in the fixed layout without asking for it
+  (``auto``), or whose fixed layout overflowed, says so in its warnings
+  (``kvquant_fixed_outliers``, from the overflow counted on the device and read once per request).
 - Attention sink (Sec. 3.5, ``sink``): the first token is kept in fp16 (``sink_tokens = 1``,
   :class:`kvbench.cache.sink.SinkLayer`) and left out of calibration.
 - Offline calibration (Sec. 3.6, ``calibrate``): :meth:`KVQuant.prepare` runs the model over
@@ -97,9 +97,9 @@ class KVQuantConfig(MethodConfig):
     outlier_layout: str = inert("auto")
 
     # triton: appends run the torch reference (DenseSparseTokens has no Triton quantizer; outlier_layout
-    # auto holds the key outliers in the fixed layout there, as on CUDA, so no append waits for the
-    # device; ragged keeps one nonzero per append), reads run TritonReader (codebook parts, pre-RoPE
-    # keys rotated in the kernel, sparse outliers).
+    # auto holds the key outliers in the fixed layout there, so no append waits for the device;
+    # ragged keeps one nonzero per append, as backend auto does on CUDA), reads run TritonReader
+    # (codebook parts, pre-RoPE keys rotated in the kernel, sparse outliers).
     backends: ClassVar[tuple[str, ...]] = ("auto", "torch", "triton")
     default_bits: ClassVar[float] = 3.0
 
@@ -297,7 +297,11 @@ class KVQuant(Method):
         asked = self.config.outlier_layout == "fixed"
         if not self.fixed_requests or (asked and not self.fixed_overflow):
             return {}
-        how = "method.outlier_layout=fixed" if asked else "method.outlier_layout=auto on a device or triton"
+        how = (
+            "method.outlier_layout=fixed"
+            if asked
+            else "method.outlier_layout=auto with method.backend=triton"
+        )
         share = 100 * self.fixed_overflow / max(self.fixed_key_values, 1)
         return {
             "kvquant_fixed_outliers": (
