@@ -28,7 +28,7 @@ import torch
 from kvbench.cache import KVBenchCache, MemoryReport, memory_report
 from kvbench.cache.batch import SequenceBatchCache, sequence_caches
 from kvbench.cache.sliding import with_window_layers
-from kvbench.cache.static import StaticStep
+from kvbench.cache.static import StaticStep, note_decode_step
 from kvbench.methods import Method, ModelShape
 
 
@@ -199,6 +199,7 @@ class ModelRunner:
         memory = memory_report(cache.layers)
         self.method.end_request(cache)
         extra = {} if static_step is None else {"decode_step": static_step.mode}
+        note_decode_step("eager" if static_step is None else static_step.mode)
         return Generation(text, tokens, input_ids.shape[1], stopped, memory, prefill_s, decode_s, extra)
 
     def new_batch_cache(self, batch: int) -> SequenceBatchCache:
@@ -376,4 +377,5 @@ class ModelRunner:
             greedy = greedy and bool((logp.argmax(-1) == target).all())
         memory = memory_report(cache.layers)
         self.method.end_request(cache)
+        note_decode_step("eager")
         return Scored(nll, memory, time.perf_counter() - t0, greedy)

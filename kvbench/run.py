@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 import kvbench
 from kvbench import paths
+from kvbench.cache.static import decode_steps_seen
 from kvbench.errors import ConfigError, Interrupted, Terminated
 from kvbench.kernels.cpu import backend_in_use
 from kvbench.methods import Method
@@ -332,6 +333,8 @@ def _execute_in(folder: RunFolder, plan: RunPlan, progress: bool) -> dict[str, A
             "versions": versions(),
             # which kernels read the stored tokens in this process (compiled, torch, both)
             "attention_backend": backend_in_use(),
+            # how decode steps ran: eager, static (method.cuda_graph off CUDA) or graph (captured)
+            "decode_step": decode_steps_seen(),
             "folder": str(folder.path),
         }
         folder.write_metrics(metrics)

@@ -21,6 +21,13 @@ sequence of forwards. DynamicCache is filled the same way and stepped with SDPA.
     python scripts/count_ops.py --quick               # 1K and 4K
     python scripts/count_ops.py --contexts 2048 --only kivi DynamicCache --sites
     python scripts/count_ops.py --backend triton --threads 2 --sites   # benchmarks/count_ops_triton.{md,csv}
+    python scripts/count_ops.py --backend triton --cuda-graph          # benchmarks/count_ops_triton_graph.*
+
+``--cuda-graph`` counts the static decode step (``method.cuda_graph=true``, kvbench/cache/static.py)
+of every method that has one: the device work a CUDA graph would capture (the forward on the step's
+buffers), and whether the step after it is the same work on the same tensors with no sync
+(``replay``: ``ok``, or the first reason it is not; :mod:`kvbench.kernels.replay`), which is what
+makes a graph captured once compute every later step.
 
 ``--backend triton`` counts every method that allows that backend (the others are listed as
 refused, with their one line); Triton launches dispatch no aten op, so they are counted as
@@ -62,10 +69,12 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig  # noqa
 from kvbench.builder import LoadedModel  # noqa: E402
 from kvbench.cache import ATTN_IMPLEMENTATION, use_kvbench_attention  # noqa: E402
 from kvbench.cache.capture import AttentionModule  # noqa: E402
+from kvbench.cache.static import StaticStep  # noqa: E402
 from kvbench.errors import ConfigError  # noqa: E402
 from kvbench.generate import ModelRunner  # noqa: E402
 from kvbench.kernels import cpu  # noqa: E402
 from kvbench.kernels.counting import OpCounts, count_ops  # noqa: E402
+from kvbench.kernels.replay import replay_problems, trace_step  # noqa: E402
 from kvbench.methods import METHODS, build_method  # noqa: E402
 from kvbench.models.shape import shape_of_config  # noqa: E402
 
@@ -123,10 +132,13 @@ def build_model(geometry: dict, dtype: torch.dtype = torch.float32) -> LoadedMod
     )
 
 
-def method_node(name: str, backend: str | None = None) -> dict:
+def method_node(name: str, backend: str | None = None, cuda_graph: bool = False) -> dict:
     """The registry's node for ``name`` at :data:`BENCH_BITS` where the method accepts that width,
-    else its defaults; offline calibration off where the config has it; ``backend`` where given."""
+    else its defaults; offline calibration off where the config has it; ``backend`` where given;
+    ``cuda_graph``: the static decode step."""
     node = {"name": name} if backend is None else {"name": name, "backend": backend}
+    if cuda_graph:
+        node["cuda_graph"] = True
     if "calibrate" in METHODS.get(name).Config.__dataclass_fields__:
         node["calibrate"] = False
     try:
@@ -188,6 +200,39 @@ class Row:
     counts: OpCounts
     seconds: float  # of the counted step, counting overhead included (not a timing)
     read_by: str = ""  # the backends that read the stored tokens in the counted step
+    replay: str = ""  # static steps: whether the next step replays the counted one ("ok" or why not)
+
+
+def count_static(loaded: LoadedModel, name: str, prompt: Prompt, sites: bool, backend: str | None) -> Row:
+    """The static step of ``name``: warm-up steps, one traced step, then the counted step, traced
+    too; ``replay`` compares the two traces."""
+    method = build_method(method_node(name, backend, cuda_graph=True))
+    runner = loaded.runner(method)
+    n = prompt.ids.shape[1]
+    cache = runner.new_cache()
+    cache.reserve(n + len(prompt.tokens) + 1)
+    fill(runner, cache, prompt)
+    cache.advance(n)
+    step = StaticStep(runner._static_forward(cache), cache, n, torch.device("cpu"), capture=False)
+    *warmup, traced, counted = prompt.tokens
+    for t in warmup:
+        step(t)
+    step.input_ids.fill_(traced)
+    kind = cache.step_kind()
+    with trace_step() as before:
+        step.body()
+    cache.advance(1)
+    step.input_ids.fill_(counted)
+    same_kind = cache.step_kind() == kind
+    t0 = time.perf_counter()
+    cpu.forget_backends_seen()
+    with count_ops(sites=sites) as counts, trace_step() as after:
+        step.body()
+    cache.advance(1)
+    problems = replay_problems(before, after) if same_kind else ["the two steps are of different kinds"]
+    replay = "ok" if not problems else problems[0]
+    label = f"{method.label()} (static)"
+    return Row(label, n, counts, time.perf_counter() - t0, cpu.backend_in_use(), replay)
 
 
 def count_method(
@@ -207,12 +252,12 @@ def count_method(
     return Row(method.label(), prompt.ids.shape[1], counts, time.perf_counter() - t0, cpu.backend_in_use())
 
 
-def refusals(backend: str | None) -> dict[str, str]:
-    """Methods that refuse ``backend``: name -> their one-line error."""
+def refusals(backend: str | None, cuda_graph: bool = False) -> dict[str, str]:
+    """Methods that refuse ``backend`` (or the static step): name -> their one-line error."""
     out = {}
     for name in METHODS.names():
         try:
-            build_method(method_node(name, backend))
+            build_method(method_node(name, backend, cuda_graph))
         except ConfigError as e:
             out[name] = str(e)
     return out
@@ -244,18 +289,20 @@ def count_all(
     sites: bool = False,
     log=None,
     backend: str | None = None,
+    cuda_graph: bool = False,
 ) -> list[Row]:
     rows = []
-    refused = refusals(backend) if backend else {}
+    refused = refusals(backend, cuda_graph) if backend or cuda_graph else {}
     names = [n for n in (REFERENCE, *METHODS.names()) if (not only or n in only) and n not in refused]
     for n in contexts:
-        prompt = random_prompt(loaded, n, WARMUP_STEPS + 1)
+        prompt = random_prompt(loaded, n, WARMUP_STEPS + 1 + cuda_graph)
         for name in names:
-            row = (
-                count_dynamic(loaded, prompt, sites)
-                if name == REFERENCE
-                else count_method(loaded, name, prompt, sites, backend)
-            )
+            if name == REFERENCE:
+                row = count_dynamic(loaded, prompt, sites)
+            elif cuda_graph:
+                row = count_static(loaded, name, prompt, sites, backend)
+            else:
+                row = count_method(loaded, name, prompt, sites, backend)
             rows.append(row)
             if log is not None:
                 print(
@@ -280,15 +327,18 @@ def sync_summary(counts: OpCounts) -> str:
 
 def table(rows: list[Row]) -> str:
     ratio = ratios(rows)
+    replay = any(r.replay for r in rows)
     lines = [
-        "| method | context | ops/step | syncs/step | ops vs DynamicCache | syncs by kind | read by |",
-        "|:--|--:|--:|--:|--:|:--|:--|",
+        "| method | context | ops/step | syncs/step | ops vs DynamicCache | syncs by kind | read by |"
+        + (" replay |" if replay else ""),
+        "|:--|--:|--:|--:|--:|:--|:--|" + (":--|" if replay else ""),
     ]
     for r in rows:
         x = ratio.get((r.label, r.context))
         lines.append(
             f"| {r.label} | {r.context} | {r.counts.total_ops} | {r.counts.total_syncs} | "
             f"{'' if x is None else f'{x:.2f}'} | {sync_summary(r.counts)} | {r.read_by} |"
+            + (f" {r.replay} |" if replay else "")
         )
     return "\n".join(lines)
 
@@ -318,6 +368,7 @@ def write(
                 "ops_ratio_dynamic",
                 "syncs_by_kind",
                 "read_by",
+                "replay",
             ]
         )
         for r in rows:
@@ -331,6 +382,7 @@ def write(
                     "" if x is None else f"{x:.3f}",
                     sync_summary(r.counts),
                     r.read_by,
+                    r.replay,
                 ]
             )
     sites = sites_section(rows)
@@ -349,7 +401,7 @@ def write(
         table(rows),
     ]
     if refused:
-        text += ["", "Methods that refuse this backend (their one-line error):", ""]
+        text += ["", "Methods that refuse this backend or the static step (their one-line error):", ""]
         text += [f"- {name}: {line}" for name, line in sorted(refused.items())]
     if sites:
         text += ["", "Where the syncs are issued (innermost frame outside torch):", "", sites]
@@ -369,12 +421,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--backend", choices=["auto", "torch", "triton"], default=None, help="every method's backend"
     )
-    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/count_ops[_BACKEND].md")
-    args = p.parse_args(argv)
-    out = (
-        args.out
-        or ROOT / "benchmarks" / f"count_ops{'' if args.backend in (None, 'auto') else '_' + args.backend}.md"
+    p.add_argument("--cuda-graph", action="store_true", help="the static step of the methods that have one")
+    p.add_argument(
+        "--out", type=Path, default=None, help="default: benchmarks/count_ops[_BACKEND][_graph].md"
     )
+    args = p.parse_args(argv)
+    suffix = ("" if args.backend in (None, "auto") else "_" + args.backend) + (
+        "_graph" if args.cuda_graph else ""
+    )
+    out = args.out or ROOT / "benchmarks" / f"count_ops{suffix}.md"
     if args.threads:
         torch.set_num_threads(args.threads)
     contexts = [1024, 4096] if args.quick else args.contexts
@@ -386,9 +441,17 @@ def main(argv: list[str] | None = None) -> int:
         "intermediate 14336, vocab 1024)"
     )
     loaded = build_model(geometry, getattr(torch, args.dtype))
-    rows = count_all(loaded, contexts, args.only, args.sites, log=sys.stderr, backend=args.backend)
+    rows = count_all(
+        loaded,
+        contexts,
+        args.only,
+        args.sites,
+        log=sys.stderr,
+        backend=args.backend,
+        cuda_graph=args.cuda_graph,
+    )
     print(table(rows))
-    refused = refusals(args.backend) if args.backend else {}
+    refused = refusals(args.backend, args.cuda_graph) if args.backend or args.cuda_graph else {}
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and args.backend == "triton":
         described += "; Triton kernels under the CPU interpreter (TRITON_INTERPRET=1)"
     write(rows, out, argv, f"{described}, {args.dtype} weights", refused)

@@ -106,7 +106,7 @@ def test_dry_run_passes_and_summarises(dry_run):
     # one printed line per result
     assert proc.stdout.count("[parity] ") == 7
     assert proc.stdout.count("[bandwidth] ") == 2
-    assert proc.stdout.count("[decode] ") == 5
+    assert proc.stdout.count("[decode] ") == 6
 
 
 def test_parity_csv_has_one_row_per_format(dry_run):
@@ -150,14 +150,17 @@ def test_decode_csv_has_one_row_per_method_and_names_the_backend(dry_run):
     out, _ = dry_run
     columns, rows = read(out / "gpu_decode.csv")
     assert columns == DECODE
-    assert [r["method"] for r in rows] == ["DynamicCache", "fp16", "fp16", "kivi", "kvquant"]
-    # fp16 has a static decode step: its second row, run eagerly on the CPU, against its first
-    assert [r["decode_step"] for r in rows] == ["eager", "eager", "static", "eager", "eager"]
-    static = rows[2]
-    ratio = float(static["step_ms"]) / float(rows[1]["step_ms"])
-    assert math.isclose(float(static["vs_eager"]), ratio, rel_tol=0.01, abs_tol=0.005)
-    assert static["backend_in_use"] == "triton" and static["status"] == "ok"
-    assert all(r["vs_eager"] == "" for i, r in enumerate(rows) if i != 2)
+    assert [r["method"] for r in rows] == ["DynamicCache", "fp16", "fp16", "kivi", "kivi", "kvquant"]
+    # fp16 and kivi have a static decode step: a second row each, run eagerly on the CPU, timed
+    # against the method's eager row
+    assert [r["decode_step"] for r in rows] == ["eager", "eager", "static", "eager", "static", "eager"]
+    for i in (2, 4):
+        static, eager = rows[i], rows[i - 1]
+        ratio = float(static["step_ms"]) / float(eager["step_ms"])
+        assert math.isclose(float(static["vs_eager"]), ratio, rel_tol=0.01, abs_tol=0.005)
+        assert static["backend_in_use"] == "triton" and static["status"] == "ok"
+        assert static["label"] == eager["label"]
+    assert all(r["vs_eager"] == "" for i, r in enumerate(rows) if i not in (2, 4))
     by = {r["method"]: r for r in rows if r["decode_step"] == "eager"}
     for r in rows:
         assert r["status"] == "ok" and r["context"] == "256" and r["layers"] == "1", r

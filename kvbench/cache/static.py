@@ -43,6 +43,19 @@ from collections.abc import Callable
 
 import torch
 
+_SEEN: set[str] = set()
+
+
+def note_decode_step(mode: str) -> None:
+    """Record how a request's decode steps ran (``eager``, ``static`` or ``graph``)."""
+    _SEEN.add(mode)
+
+
+def decode_steps_seen() -> str:
+    """How this process's requests decoded so far, ``+``-joined (``graph``, ``eager+graph`` when
+    scoring requests, which always run the growing cache, were mixed in), or ``none``."""
+    return "+".join(sorted(_SEEN)) if _SEEN else "none"
+
 
 class StaticStep:
     """Decode steps of one request over a static ``cache`` (already prefilled, host counts advanced).

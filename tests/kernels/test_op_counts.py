@@ -125,3 +125,21 @@ def test_decode_step_ops_are_within_three_times_transformers(name):
     reference = step_counts(script().REFERENCE, CONTEXTS[-1]).total_ops
     ops = step_counts(name, CONTEXTS[-1]).total_ops
     assert ops <= 3 * reference, f"{name}: {ops} ops per step against {reference} for DynamicCache"
+
+
+@functools.cache
+def static_row(name: str, context: int):
+    s = script()
+    prompt = s.random_prompt(tiny_model(), context, s.WARMUP_STEPS + 2)
+    return s.count_static(tiny_model(), name, prompt, sites=True, backend="torch")
+
+
+@pytest.mark.parametrize("name", [n for n in METHODS.names() if METHODS.get(n).Config.static_step])
+def test_static_step_is_fixed_sync_free_and_replayable(name):
+    """``scripts/count_ops.py --cuda-graph``: the static step's ops do not depend on the context, it
+    never waits, and the step after it is the same device work (what a CUDA graph replays)."""
+    short, long = (static_row(name, n) for n in CONTEXTS)
+    assert short.counts.total_ops == long.counts.total_ops > 100, (short.counts.ops, long.counts.ops)
+    assert short.counts.total_syncs == long.counts.total_syncs == 0, long.counts.describe_syncs()
+    assert short.replay == long.replay == "ok"
+    assert short.label.endswith(" (static)")
