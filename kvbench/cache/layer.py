@@ -183,10 +183,11 @@ class KVLayer(CacheLayerMixin):
 
     # -- static mode (kvbench.cache.static) -----------------------------------------------------
     def static_stores(self) -> tuple:
-        """The stores a static layer reserves and advances (each with ``reserve``, ``advance`` and
-        ``static_source``); keys' store first, values' second. A layer without a static step
-        raises: its method's config refuses ``method.cuda_graph`` before a model loads
-        (:meth:`~kvbench.methods.base.MethodConfig.static_step_refusal`), so this is a guard."""
+        """The two stores a static layer reserves and advances, keys' and values' (each with
+        ``reserve``, ``advance`` and ``static_source``, in token order, holding the same tokens). A
+        layer without a static step raises: its method's config refuses ``method.cuda_graph``
+        before a model loads (:meth:`~kvbench.methods.base.MethodConfig.static_step_refusal`), so
+        this is a guard."""
         raise NotImplementedError(f"{type(self).__name__} has no static (graph-capturable) decode step")
 
     def reserve(self, capacity: int) -> None:
@@ -209,22 +210,15 @@ class KVLayer(CacheLayerMixin):
         self.num_tokens += t
 
     def static_stored(self) -> StoredTokens | None:
-        """The stores' whole capacity as sources, the entries not written before this forward's
-        hidden (computed now: this forward's append moves the device counts on). With more than
-        two stores, keys' and values' alternate (``static_stores`` order: keys' parts, then values'
-        parts, each half in token order), read as one concatenation each."""
-        stores = self.static_stores()
-        half = len(stores) // 2
-        parts = [store.static_source() for store in stores]
-        if any(part is None for part in parts):
+        """The two stores' whole capacity as sources, the entries not written before this forward's
+        hidden (computed now: this forward's append moves the device counts on)."""
+        keys_store, values_store = self.static_stores()
+        keys, values = keys_store.static_source(), values_store.static_source()
+        if keys is None or values is None:
             return None
-        keys, values = parts[:half], parts[half:]
-        hidden = [torch.arange(src.num_tokens, device=n.device) >= n for src, n in keys]
-        return StoredTokens(
-            keys[0][0] if half == 1 else ConcatSource([src for src, _ in keys]),
-            values[0][0] if half == 1 else ConcatSource([src for src, _ in values]),
-            hidden=hidden[0] if half == 1 else torch.cat(hidden),
-        )
+        source, written = keys
+        hidden = torch.arange(source.num_tokens, device=written.device) >= written
+        return StoredTokens(source, values[0], hidden=hidden)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
