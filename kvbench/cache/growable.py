@@ -129,43 +129,38 @@ class GrowableTokens:
             )
         self.rows += t
 
-    def _static_append(self, x: torch.Tensor) -> None:
-        t = x.shape[-2]
-        if self.buffer is None:
-            self.dtype = self.dtype if self.dtype is not None else x.dtype
+    def _allocate_for(self, x: torch.Tensor) -> None:
+        """The first allocation, for rows shaped like ``x [B, H_kv, t, X]``: zero-filled at the fixed
+        capacity (static mode), else uninitialised at a power of two that fits; later appends must
+        match it."""
+        if self.buffer is not None:
+            if x.shape[:-2] != self.buffer.shape[:-2] or x.shape[-1] != self.buffer.shape[-1]:
+                raise ValueError(
+                    f"appended tensor {tuple(x.shape)} does not match the buffer "
+                    f"{tuple(self.buffer.shape[:-2])} + [t, {self.buffer.shape[-1]}]"
+                )
+            return
+        self.dtype = self.dtype if self.dtype is not None else x.dtype
+        if self.static:
             shape = (*x.shape[:-2], self.fixed_capacity, x.shape[-1])
             self.buffer = torch.zeros(shape, dtype=self.dtype, device=x.device)
             self.length = torch.zeros(1, dtype=torch.long, device=x.device)
-            self.reallocations += 1
-        elif x.shape[:-2] != self.buffer.shape[:-2] or x.shape[-1] != self.buffer.shape[-1]:
-            raise ValueError(
-                f"appended tensor {tuple(x.shape)} does not match the buffer "
-                f"{tuple(self.buffer.shape[:-2])} + [t, {self.buffer.shape[-1]}]"
-            )
-        if t == 0:
-            return
-        rows = self.length + torch.arange(t, device=x.device)
-        self.buffer.index_copy_(-2, rows, x.to(self.dtype))
-        self.length.add_(t)
+        else:
+            capacity = max(self.min_capacity, _next_power_of_two(x.shape[-2]))
+            self.buffer = torch.empty(*x.shape[:-2], capacity, x.shape[-1], dtype=self.dtype, device=x.device)
+        self.reallocations += 1
 
     def append(self, x: torch.Tensor) -> None:
-        """Write ``x [B, H_kv, t, X]`` (t rows) after the used rows."""
-        if self.static:
-            self._static_append(x)
-            return
+        """Write ``x [B, H_kv, t, X]`` (t rows) after the used rows (static mode: at the device
+        count, which moves on by t)."""
+        self._allocate_for(x)
         t = x.shape[-2]
-        if self.buffer is None:
-            dtype = self.dtype if self.dtype is not None else x.dtype
-            self.dtype = dtype
-            capacity = max(self.min_capacity, _next_power_of_two(t))
-            self.buffer = torch.empty(*x.shape[:-2], capacity, x.shape[-1], dtype=dtype, device=x.device)
-            self.reallocations += 1
-        elif x.shape[:-2] != self.buffer.shape[:-2] or x.shape[-1] != self.buffer.shape[-1]:
-            raise ValueError(
-                f"appended tensor {tuple(x.shape)} does not match the buffer "
-                f"{tuple(self.buffer.shape[:-2])} + [t, {self.buffer.shape[-1]}]"
-            )
         if t == 0:
+            return
+        if self.static:
+            rows = self.length + torch.arange(t, device=x.device)
+            self.buffer.index_copy_(-2, rows, x.to(self.dtype))
+            self.length.add_(t)
             return
         if self.start + self.rows + t > self.capacity:
             self._make_room(t)

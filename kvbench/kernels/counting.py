@@ -220,21 +220,25 @@ def _launch_classes() -> list[type]:
 
 
 @contextmanager
-def _counting_launches(counts: OpCounts, dispatch: _DispatchCounter) -> Iterator[None]:
+def launch_hook(on_launch, holder) -> Iterator[None]:
+    """For the block, every top-level Triton launch (not a warm-up, not one inside another) first
+    calls ``on_launch(kernel_name, grid, args, kwargs)``, then runs with ``holder.launch_depth``
+    raised, so that a dispatch mode reading it can leave alone what the launch dispatches (the
+    interpreter's emulation of the device)."""
     patched = [(cls, cls.__dict__["run"]) for cls in _launch_classes() if "run" in cls.__dict__]
 
     def wrap(run):
-        def counted(self, *args, grid, warmup, **kwargs):
-            if warmup or dispatch.launch_depth:
+        def hooked(self, *args, grid, warmup, **kwargs):
+            if warmup or holder.launch_depth:
                 return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-            counts.ops[f"triton::{getattr(self, '__name__', '?')}"] += 1
-            dispatch.launch_depth += 1
+            on_launch(getattr(self, "__name__", "?"), grid, args, kwargs)
+            holder.launch_depth += 1
             try:
                 return run(self, *args, grid=grid, warmup=warmup, **kwargs)
             finally:
-                dispatch.launch_depth -= 1
+                holder.launch_depth -= 1
 
-        return counted
+        return hooked
 
     for cls, run in patched:
         cls.run = wrap(run)
@@ -243,3 +247,10 @@ def _counting_launches(counts: OpCounts, dispatch: _DispatchCounter) -> Iterator
     finally:
         for cls, run in patched:
             cls.run = run
+
+
+def _counting_launches(counts: OpCounts, dispatch: _DispatchCounter):
+    def count(name, grid, args, kwargs):
+        counts.ops[f"triton::{name}"] += 1
+
+    return launch_hook(count, dispatch)

@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kvbench.kernels.counting import _launch_classes, sync_kind
+from kvbench.kernels.counting import launch_hook, sync_kind
 
 # Operations that make a tensor from host data inside the step: a graph would replay the upload
 # of the capture's values.
@@ -124,29 +124,8 @@ def trace_step() -> Iterator[StepTrace]:
     """Record the block's operations and launches (see the module docstring)."""
     trace = StepTrace()
     tracer = _Tracer(trace)
-    patched = [(cls, cls.__dict__["run"]) for cls in _launch_classes() if "run" in cls.__dict__]
-
-    def wrap(run):
-        def traced(self, *args, grid, warmup, **kwargs):
-            if warmup or tracer.launch_depth:
-                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-            trace.launch(getattr(self, "__name__", "?"), grid, args, kwargs)
-            tracer.launch_depth += 1
-            try:
-                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-            finally:
-                tracer.launch_depth -= 1
-
-        return traced
-
-    for cls, run in patched:
-        cls.run = wrap(run)
-    try:
-        with tracer:
-            yield trace
-    finally:
-        for cls, run in patched:
-            cls.run = run
+    with launch_hook(trace.launch, tracer), tracer:
+        yield trace
 
 
 def first_difference(a: StepTrace, b: StepTrace) -> int | None:
