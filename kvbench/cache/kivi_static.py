@@ -111,16 +111,12 @@ class KIVIStatic:
             if flush:  # the ring's R - 1 keys and this one, in token order
                 layer.kq.append(torch.cat([self.k_ring[..., :held, :], keys], dim=-2))
             else:
-                self.k_ring.index_copy_(-2, self.total - self.flushed_device(), keys)
+                self.k_ring.index_copy_(-2, self.total - layer.kq.written, keys)
             if quantized:  # the oldest value, token T - R, leaves the window
                 oldest = (self.total - r) % (r + 1)
                 layer.vq.append(self.v_ring.index_select(-2, oldest))
             self.v_ring.index_copy_(-2, self.total % (r + 1), values)
         self.total.add_(t)
-
-    def flushed_device(self) -> torch.Tensor:
-        """Keys in ``kq`` as the device counts them (its row count)."""
-        return self.layer.kq._codes.length
 
     # -- reads ------------------------------------------------------------------------------------
     def snapshot(self) -> tuple:

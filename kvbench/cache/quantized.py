@@ -170,6 +170,11 @@ class QuantizedTokens:
     def static(self) -> bool:
         return self._codes.static
 
+    @property
+    def written(self) -> torch.Tensor | None:
+        """Static mode: tokens written, counted on the device (int64 ``[1]``)."""
+        return self._codes.length
+
     def allocate_like(self, x: torch.Tensor) -> None:
         """Static mode: allocate the buffers for tokens shaped like ``x [B, H_kv, t, D]`` without
         storing any (a layer whose prefill stores none here still reads the store's full shape)."""
