@@ -200,7 +200,7 @@ def local_tasks_only(monkeypatch):
         ("method=kivi,residual=32", "residual", "did you mean method.residual?"),
         ("method=kivi,pretrained=/nonexistent", "pretrained", "use model.path"),
         ("method=kivi,dtype=bfloat16", "dtype", "use model.dtype"),
-        ("method=fp16,method.residual=32", "method.residual", "allowed: backend, bits, fp_dtype"),
+        ("method=fp16,method.residual=32", "method.residual", "allowed: backend, bits, cuda_graph, fp_dtype"),
         ("method=kivi,method.residul=32", "method.residul", "did you mean residual?"),
         ("model.dtype=float64", "model.dtype", "one of float32, float16, bfloat16"),
         ("model.colour=red", "model.colour", "allowed:"),
