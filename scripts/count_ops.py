@@ -401,7 +401,7 @@ def write(
         table(rows),
     ]
     if refused:
-        text += ["", "Methods that refuse this backend or the static step (their one-line error):", ""]
+        text += ["", "Methods refused here (their one-line error):", ""]
         text += [f"- {name}: {line}" for name, line in sorted(refused.items())]
     if sites:
         text += ["", "Where the syncs are issued (innermost frame outside torch):", "", sites]
