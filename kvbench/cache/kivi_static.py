@@ -51,11 +51,17 @@ class KIVIStatic:
         self.k_ring: torch.Tensor | None = None  # [B, H_kv, R, D]
         self.v_ring: torch.Tensor | None = None  # [B, H_kv, R + 1, D]
         self.total: torch.Tensor | None = None  # tokens stored, int64 [1] on the device
-        # host counts (moved by advance)
-        self.tokens = 0
-        self.flushed = 0  # keys in kq
 
-    # -- host counts ------------------------------------------------------------------------------
+    # -- host counts (the layer's and kq's, moved by advance) --------------------------------------
+    @property
+    def tokens(self) -> int:
+        return self.layer.num_tokens
+
+    @property
+    def flushed(self) -> int:
+        """Keys in ``kq``."""
+        return self.layer.kq.num_tokens
+
     def moves(self, t: int) -> tuple[int, int]:
         """``(keys flushed, values quantized)`` by storing ``t`` more tokens."""
         held = self.tokens - self.flushed + t
@@ -74,8 +80,6 @@ class KIVIStatic:
             )
         self.layer.kq.advance(flush)
         self.layer.vq.advance(quantized)
-        self.flushed += flush
-        self.tokens += t
 
     # -- writes -----------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -52,12 +52,13 @@ class QuantizedTokens:
         self.levels, self.axis, self.group_size = levels, axis, group_size
         self.zero_point, self.param_dtype = zero_point, param_dtype
         self.backend, self.arithmetic = backend, arithmetic
-        rows = group_size if axis == "channel" and group_size else 1
+        # tokens per scale/zero row
+        self.param_rows = group_size if axis == "channel" and group_size else 1
         # KIVI's arithmetic keeps its parameters in the input's dtype: the buffers take the first one's
         kept = None if arithmetic == "kivi" else param_dtype
         self._codes = GrowableTokens(torch.uint8)
-        self._scale = GrowableTokens(kept, tokens_per_row=rows)
-        self._zero = GrowableTokens(kept, tokens_per_row=rows)
+        self._scale = GrowableTokens(kept, tokens_per_row=self.param_rows)
+        self._zero = GrowableTokens(kept, tokens_per_row=self.param_rows)
         self.num_tokens = 0
         self.head_dim = 0
 
@@ -155,16 +156,13 @@ class QuantizedTokens:
     def reserve(self, capacity: int) -> None:
         """Hold ``capacity`` tokens in fixed buffers with a device-side count (per-channel axis: a
         multiple of G, appended in whole groups)."""
-        rows = 1
-        if self.axis == "channel":
-            if not self.group_size or capacity % self.group_size:
-                raise ValueError(
-                    f"a static per-channel store holds whole groups: {capacity} tokens, G={self.group_size}"
-                )
-            rows = self.group_size
+        if self.axis == "channel" and (not self.group_size or capacity % self.group_size):
+            raise ValueError(
+                f"a static per-channel store holds whole groups: {capacity} tokens, G={self.group_size}"
+            )
         self._codes.reserve(capacity)
-        self._scale.reserve(capacity // rows)
-        self._zero.reserve(capacity // rows)
+        self._scale.reserve(capacity // self.param_rows)
+        self._zero.reserve(capacity // self.param_rows)
 
     @property
     def static(self) -> bool:
@@ -180,8 +178,7 @@ class QuantizedTokens:
         storing any (a layer whose prefill stores none here still reads the store's full shape)."""
         if self._codes.full_view() is not None:
             return
-        rows = self.group_size if self.axis == "channel" else 1
-        probe = torch.zeros(*x.shape[:-2], rows, x.shape[-1], dtype=x.dtype, device=x.device)
+        probe = torch.zeros(*x.shape[:-2], self.param_rows, x.shape[-1], dtype=x.dtype, device=x.device)
         codes, scale, zero = quantize_grouped(
             probe, self.levels, self.axis, self.group_size, zero_point=self.zero_point,
             param_dtype=self.param_dtype, arithmetic=self.arithmetic,
@@ -191,10 +188,9 @@ class QuantizedTokens:
             buf.append(part[..., :0, :])  # a static buffer allocates on its first append, even of 0
 
     def advance(self, t: int) -> None:
-        rows = self.group_size if self.axis == "channel" else 1
         self._codes.advance(t)
-        self._scale.advance(t // rows)
-        self._zero.advance(t // rows)
+        self._scale.advance(t // self.param_rows)
+        self._zero.advance(t // self.param_rows)
         self.num_tokens += t
 
     def static_source(self):

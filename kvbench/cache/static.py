@@ -10,7 +10,7 @@ What makes a step replayable (each a rule the code below and the layers follow):
 - **Device-side lengths.** An append writes at the store's device row count with one
   ``index_copy_`` and adds to that count on the device; attention reads every store over its whole
   capacity and hides the entries past the count taken before this forward's append
-  (``StoredTokens.valid``, one comparison and ``masked_fill`` per layer in
+  (``StoredTokens.hidden``, one comparison and ``masked_fill`` per layer in
   :func:`~kvbench.cache.blockwise.single_call_attention`). Kernel grids are sized by the capacity,
   which does not change. Reading the capacity costs the unwritten rows' bytes: at most the
   request's new tokens, next to a long prompt.
@@ -79,7 +79,6 @@ class StaticStep:
         self.graphs: dict[tuple, tuple] = {}  # step kind -> (graph, its logits)
         self.seen: dict[tuple, int] = {}  # step kind -> steps of that kind so far
         self.logits: torch.Tensor | None = None
-        self.steps = 0
 
     @property
     def mode(self) -> str:
@@ -117,6 +116,5 @@ class StaticStep:
             torch.cuda.current_stream().wait_stream(side)
         else:
             self.logits = self.body()
-        self.steps += 1
         self.cache.advance(1)
         return self.logits
