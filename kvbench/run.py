@@ -299,7 +299,7 @@ def _execute_in(folder: RunFolder, plan: RunPlan, progress: bool) -> dict[str, A
             _run_samples(bar, done, folder, runner, spec)
         except KeyboardInterrupt as err:
             # what is on disk: the signal may land between a row's append and its entry in `done`
-            stored = {row.get("id") for row in folder.rows()} | set(done)
+            stored = {row.get("sample_id") for row in folder.rows()} | set(done)
             finished_rows = sum(s["id"] in stored for s in samples)
             raise Interrupted(finished_rows, len(samples), isinstance(err, Terminated)) from None
         # the rows in the task's order, whatever order they were appended in

@@ -41,6 +41,28 @@ def _interrupted_run(cfg, monkeypatch, after: int = 2) -> RunFolder:
     return RunFolder(folder)
 
 
+def test_an_interrupt_right_after_an_append_counts_that_row(tmp_path, data_root, monkeypatch):
+    """The signal can land after a row is on disk and before the run loop records it: the message
+    counts what the folder holds, so the row is neither lost nor miscounted."""
+    cfg = tiny_config(tmp_path, data_root, KIVI)
+    original, appended = RunFolder.append, []
+
+    def append_then_die(self, row):
+        original(self, row)
+        appended.append(row["sample_id"])
+        if len(appended) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunFolder, "append", append_then_die)
+    with pytest.raises(Interrupted, match="interrupted after 2 of 4 samples"):
+        run_module.execute(cfg, progress=False)
+    monkeypatch.setattr(RunFolder, "append", original)
+    (folder,) = {p.parent for p in Path(cfg["output"]["root"]).rglob("config.json")}
+    assert [r["sample_id"] for r in RunFolder(folder).rows()] == appended
+    metrics = run_module.execute(cfg, progress=False)
+    assert metrics["metrics"]["n"] == 4 and metrics["timings"]["samples_resumed"] == 2
+
+
 def test_resume_refuses_rows_written_by_other_code(tmp_path, data_root, monkeypatch):
     cfg = tiny_config(tmp_path, data_root, KIVI)
     folder = _interrupted_run(cfg, monkeypatch)
