@@ -124,7 +124,7 @@ def test_attention_probe_arms_fix_their_bits_and_are_distinct_runs():
     params = sweep_params("attention_probe")
     # every arm file, swept or not (a larger run adds the others to the sweep), is checked
     arms = sorted(p.stem for p in (Path(CONF_DIR) / "experiment" / "arms" / "attention_probe").glob("*.yaml"))
-    assert set(params) == {"seed", key} and set(params[key]) <= set(arms) and len(arms) == 30
+    assert set(params) == {"seed", key} and set(params[key]) <= set(arms) and len(arms) == 35
     labels, ids = {}, set()
     for arm in arms:
         cfg = compose_point("attention_probe", {"seed": "0", key: arm})
@@ -133,7 +133,7 @@ def test_attention_probe_arms_fix_their_bits_and_are_distinct_runs():
         assert (method.config.bits is None) == (arm == "fp16")
         labels[arm] = method.label()
         ids.add(run_id(run_config(cfg)))
-    assert len(set(labels.values())) == len(ids) == 30
+    assert len(set(labels.values())) == len(ids) == 35
     assert labels["ott2"] == "ott-2b" and labels["kivi2"] == "kivi-2b"
     assert labels["kivi1_specache_zp"] == "kivi-1b-specache0"
     assert labels["readkv8_read2"] == "readkv-2of8b" and labels["semkv2.39"].startswith("semkv-2.39b")

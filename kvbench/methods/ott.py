@@ -37,6 +37,10 @@ Outlier pool (Sec. 3 "Quantization", Appendix E), per (layer, kv head), capacity
   step on its groups are quantized plainly, and its pool and extra pool are frozen (no token is
   ever dropped, so the extra pool may stop a few slots short of full);
 - the first ``skip_layers`` (2) layers have no pool (N = 0, Sec. 4 ablation "shallow layers");
+- ``selection`` is the ablation of Sec. 2 that motivates the smallest-norm rule: ``smallest`` (the
+  method), ``largest`` (the N largest S_i, which the paper finds worst) or ``random`` (a uniform
+  draw among the candidates, from a generator seeded by the layer index, so a run is repeatable);
+  only the ranking changes, the pool, mean replacement and extra pool are the same;
 - N <= G, so the pool is full (N tokens in every head) after the first quantization step.
 
 Decoding (Sec. 3 "Decoding"): attention runs over three parts, the quantized cache with the pool
@@ -65,7 +69,7 @@ from kvbench.cache.kivi_layout import KIVILayer
 from kvbench.cache.layer import StoredTokens, cat_tokens, merge_held
 from kvbench.cache.outliers import EMPTY, Pool, place
 from kvbench.cache.source import ConcatSource
-from kvbench.config import require
+from kvbench.config import check_choice, inert, require
 from kvbench.methods.affine_base import AffineCodesConfig, kv_bits_label
 from kvbench.methods.base import Method, check_group, register_method
 
@@ -79,7 +83,9 @@ class OTTConfig(AffineCodesConfig):
     pool_size: int = 3
     skip_layers: int = 2
     extra_pool_size: int = 32
+    selection: str = inert("smallest")  # smallest (the method) | largest | random (Sec. 2 ablation)
 
+    SELECTIONS: ClassVar[tuple[str, ...]] = ("smallest", "largest", "random")
     default_bits: ClassVar[float] = 2.0
     group_size_rule: ClassVar[str] = (
         "a positive integer: tokens per quantization step (key channel-group length)"
@@ -108,6 +114,7 @@ class OTTConfig(AffineCodesConfig):
         for key in ("skip_layers", "extra_pool_size"):
             value = getattr(self, key)
             require(value >= 0, f"method.{key}", value, "a non-negative integer")
+        check_choice("method.selection", self.selection, self.SELECTIONS)
 
     def check_model(self, shape):
         check_group("method.value_group_size", self.value_group_size, shape.head_dim, "head_dim")
@@ -139,6 +146,9 @@ class OTTLayer(KIVILayer):
         )
         self.pool_size = 0 if layer_idx < cfg.skip_layers else cfg.pool_size
         self.extra_pool_size = cfg.extra_pool_size
+        self.selection = cfg.selection
+        # the random ranking's draws; seeded per layer so the same run stores the same pools
+        self.generator = torch.Generator().manual_seed(layer_idx) if cfg.selection == "random" else None
         self.pool: Pool | None = None  # N tokens, positions ascending
         self.extra: Pool | None = None  # evicted outliers, valid slots first
         self.tracing: torch.Tensor | None = None  # bool [B, H_kv]: still identifying outliers
@@ -173,7 +183,7 @@ class OTTLayer(KIVILayer):
         cand_k = torch.cat([old.k, k.to(old.k.dtype)], dim=-2)
         cand_v = torch.cat([old.v, v.to(old.v.dtype)], dim=-2)
         cand_pos = torch.cat([old.pos, pos], dim=-1)
-        score = cand_k.float().abs().sum(-1)  # S_i = ||K_i||_1
+        score = self._rank_score(cand_k)
         # candidates are in position order (pool older than group): a stable sort breaks ties by age
         chosen = torch.sort(score, dim=-1, stable=True).indices[..., : self.pool_size]
         chosen = chosen.sort(dim=-1).values  # back to position order
@@ -218,6 +228,15 @@ class OTTLayer(KIVILayer):
         k = torch.where(joined, k.mean(-2, keepdim=True), k)
         v = torch.where(joined, v.mean(-2, keepdim=True), v)
         return k, v
+
+    def _rank_score(self, cand_k: torch.Tensor) -> torch.Tensor:
+        """``[B, H, n + G]``: the pool keeps the candidates with the smallest score."""
+        norm = cand_k.float().abs().sum(-1)  # S_i = ||K_i||_1
+        if self.selection == "largest":
+            return -norm
+        if self.selection == "random":
+            return torch.rand(norm.shape, generator=self.generator).to(norm.device)
+        return norm
 
     def stored(self) -> StoredTokens | None:
         """The quantized cache with the outliers' own positions hidden (their codes are never read),
@@ -269,4 +288,6 @@ class OTT(Method):
     Layer = OTTLayer
 
     def label(self) -> str:
-        return f"ott-{kv_bits_label(self.config)}"
+        c, paper = self.config, OTTConfig()
+        pool = "" if c.pool_size == paper.pool_size else f"-pool{c.pool_size}"
+        return f"ott-{kv_bits_label(c)}{pool}" + ("" if c.selection == paper.selection else f"-{c.selection}")

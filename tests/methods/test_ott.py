@@ -74,6 +74,30 @@ def test_pool_keeps_the_n_smallest_key_l1_norms_per_head():
     assert torch.equal(step.read()[0], layer.read()[0])
 
 
+def test_largest_selection_keeps_the_n_largest_key_l1_norms():
+    # the Sec. 2 ablation on the case above: head 0's group 1 [5, 1, 3, 2] -> {0, 2}; group 2
+    # [4, .5, 6, 1.5] competes: the two largest of {0: 5, 2: 3, 4: 4, 6: 6} are 6 and 0, 2 is
+    # evicted. Head 1: [1, 5, 2, 3] -> {1, 3}; [6, 7, .25, 8] -> {5, 7}, both 1 and 3 evicted.
+    k = keys_with_norms([[5, 1, 3, 2, 4, 0.5, 6, 1.5], [1, 5, 2, 3, 6, 7, 0.25, 8]])
+    layer = ott_layer(kv_heads=2, selection="largest")
+    layer.update(k, values_like(k))
+    assert layer.pool.pos.tolist() == [[[0, 6], [5, 7]]]
+    assert layer.extra.pos.tolist() == [[[2, -1], [1, 3]]]
+
+
+def test_random_selection_is_repeatable_and_differs_from_the_norm_rankings():
+    k = keys_with_norms([[float(t % 7 + 1) for t in range(64)]])
+    pools = []
+    for selection in ("random", "random", "smallest", "largest"):
+        layer = ott_layer(selection=selection, group_size=16, pool_size=4)
+        layer.update(k, values_like(k))
+        pools.append(layer.pool.pos.tolist())
+    assert pools[0] == pools[1] and pools[0] not in pools[2:]
+    assert build_method({"name": "ott", "bits": 2, "selection": "random"}).label() == "ott-2b-random"
+    assert build_method({"name": "ott", "bits": 2}).label() == "ott-2b"
+    assert build_method({"name": "ott", "bits": 2, "pool_size": 1}).label() == "ott-2b-pool1"
+
+
 def test_mean_replacement_sets_the_group_range():
     # one group, G=4: token 2 has the smallest key (L1 .75) and enters the pool (N=1). Its key and
     # value become the mean of all four tokens before the group's parameters are computed:
@@ -217,6 +241,7 @@ def test_accounting_counts_pool_extra_pool_and_every_code():
         ({"bits": 2.1}, "bits"),
         ({"zero_point": "mean"}, "method.zero_point"),
         ({"outlier_num": 3}, "method.outlier_num"),
+        ({"selection": "median"}, "method.selection"),
     ],
 )
 def test_bad_config_names_the_key(overrides, key):
