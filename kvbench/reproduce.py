@@ -595,6 +595,31 @@ def _run_node(plan: NodePlan, args, env: dict[str, str], log: Path | None, say) 
     return Outcome(plan.node, len(plan.jobs), seconds, status)
 
 
+def write_summary(
+    path: Path, args, table: str, began: str, seconds: float, failed, threads, parallel
+) -> None:
+    """The run's own record of what it ran and how long it took (``<runs>/.reproduce/<profile>/
+    summary.md``): a timing of this machine, kept beside the logs, never under ``results/``."""
+    from kvbench.run import _git_commit
+
+    chosen = "".join(f"; --{k} {' '.join(v)}" for k, v in (("only", args.only), ("skip", args.skip)) if v)
+    lines = [
+        f"# python -m kvbench.reproduce --profile {args.profile}",
+        "",
+        f"- started: {began}; wall time in all: {seconds / 60:.1f} min ({seconds:.0f} s)",
+        f"- nodes at once: {parallel}; threads per node: {threads or 'default'}; cores: {os.cpu_count()}",
+        f"- commit: {_git_commit()}{chosen}",
+        f"- failed: {', '.join(failed) if failed else 'none'}",
+        "",
+        "```",
+        table,
+        "```",
+        "",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+
+
 def reproduce(args, say=print) -> int:
     """Run the selected nodes, then archive and regenerate; print the summary; the exit status."""
     nodes = profile_nodes(
@@ -618,6 +643,7 @@ def reproduce(args, say=print) -> int:
                 plan.jobs = probe.jobs
         plans.append(plan)
 
+    began, began_utc = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     parallel = max(1, args.parallel)
     threads = args.threads or (max(1, (os.cpu_count() or 1) // parallel) if parallel > 1 else None)
     env = thread_env(threads)
@@ -656,13 +682,15 @@ def reproduce(args, say=print) -> int:
             steps.append(Outcome(f"[{step}]", "-", time.perf_counter() - started, status))
 
     table = [*(outcomes[n] for n in nodes), *steps]
-    say("")
-    say(
-        format_table(
-            [{"node": o.node, "jobs": o.jobs, "wall_s": round(o.seconds), "status": o.status} for o in table]
-        )
+    text = format_table(
+        [{"node": o.node, "jobs": o.jobs, "wall_s": round(o.seconds), "status": o.status} for o in table]
     )
+    say("")
+    say(text)
+    total = time.perf_counter() - began
+    say(f"reproduce: {total / 60:.1f} min in all")
     failed = [o.node for o in table if o.failed]
+    write_summary(logs / "summary.md", args, text, began_utc, total, failed, threads, parallel)
     if failed:
         say(f"reproduce: {len(failed)} failed: {', '.join(failed)}")
         return 1

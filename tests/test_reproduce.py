@@ -216,7 +216,10 @@ def test_reproduce_runs_every_node_once_then_archives_and_regenerates(workdir, m
     assert "failed (exit 1)" in rows["kivi_gsm8k"] and "done" in rows["specache_hitrate"]
     assert rows["semkv_cliff"].split()[1:2] == ["42"] and rows["semkv_cliff"].rstrip().endswith("ok")
     assert "ok" in rows["[archive]"] and "ok" in rows["[regenerate]"]
-    assert "reproduce: 1 failed: kivi_gsm8k" in out
+    assert "reproduce: 1 failed: kivi_gsm8k" in out and " min in all" in out
+    summary = (Path("runs") / ".reproduce" / "cpu" / "summary.md").read_text()
+    assert "- failed: kivi_gsm8k" in summary and "threads per node: 1" in summary
+    assert "\n".join(table[:3]) in summary  # the printed table, as printed
 
 
 def test_paper_profile_runs_the_variants_and_fails_a_node_without_one(workdir, monkeypatch, capsys):
