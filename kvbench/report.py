@@ -665,6 +665,12 @@ def main(argv: list[str] | None = None) -> int:
         help="write RESULTS/<experiment>/samples.csv.gz, each experiment's per-sample archive, from RUNS",
     )
     parser.add_argument(
+        "--compare",
+        metavar="RUNS",
+        help="check the runs under RUNS against the committed archives, sample by sample (exit 1 if any "
+        "row is missing from them or differs in a measured column)",
+    )
+    parser.add_argument(
         "--regenerate",
         action="store_true",
         help="rewrite every table, figure and claim verdict under RESULTS from the archives (make results)",
@@ -695,6 +701,20 @@ def main(argv: list[str] | None = None) -> int:
             for path in written.values():
                 print(f"archive: {path} ({path.stat().st_size} bytes)")
             return 0
+        if args.compare is not None:
+            from kvbench.analysis.archive import compare_runs
+            from kvbench.results import format_table
+
+            if not Path(args.compare).is_dir():
+                raise ReportError(f"--compare={args.compare}: no such directory")
+            table = compare_runs(args.compare, results)
+            if table.empty:
+                raise ReportError(f"--compare={args.compare}: no runs found")
+            print(format_table(table.to_dict("records")))
+            bad = table[(table["archived"] < table["rows"]) | (table["identical"] < table["rows"])]
+            rows, same = int(table["rows"].sum()), int(table["identical"].sum())
+            print(f"compare: {same} of {rows} rows identical to the archives in every measured column")
+            return 1 if len(bad) else 0
         if args.regenerate:
             frames = _frames(args.runs, results)
             paths = regenerate(frames, results, args.declarations, args.model, args.seed, args.resamples)

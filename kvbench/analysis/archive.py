@@ -339,3 +339,65 @@ def frames_from_runs(runs_root: str | Path) -> dict[str, pd.DataFrame]:
     run folders (the frames the archive stores, before any writing)."""
     runs_root = Path(runs_root)
     return split(normalize(load_frame(runs_root), runs_root))
+
+
+# what a rerun may change without computing anything differently: the clock, where it ran and the
+# node's analysis plan (its grid placement and test settings are read from the node, not measured)
+_TIMING = ("seconds", "time", "latency", "per_s", "throughput", "folder")
+_NOT_MEASURED = ("plan_", "grid_value")
+
+
+def compare_runs(runs_root: str | Path, results: str | Path) -> pd.DataFrame:
+    """Every run under ``runs_root`` against the archived rows of the same (experiment, model,
+    method, seed, sample): one row per configuration with its rows, how many the archive holds, how
+    many agree in every measured float column (timings, paths and the plan left out) and in the
+    generated text, and the largest absolute difference of a float; ``differs`` names the columns
+    that do not agree, each with its count of rows. A rerun of a committed node reproduces it when
+    every row is matched and identical."""
+    keys = ["model", "method", "seed", "sample_id"]
+    rows = []
+    archives = load_archives(results)
+    for name, new in frames_from_runs(runs_root).items():
+        old = archives.get(name)
+        for (model, method), part in new.groupby(["model", "method"], sort=True):
+            row = {"experiment": name, "model": model, "method": method, "rows": len(part)}
+            theirs = None if old is None else old[(old["model"] == model) & (old["method"] == method)]
+            if theirs is None or theirs.empty:
+                rows.append(row | {"archived": 0, "identical": 0, "max_abs_diff": math.nan, "differs": ""})
+                continue
+            columns = [
+                c
+                for c in part.columns
+                if c in theirs.columns
+                and c not in keys
+                and (pd.api.types.is_float_dtype(part[c]) or c == "prediction")
+                and not any(t in c for t in _TIMING)
+                and not c.startswith(_NOT_MEASURED)
+            ]
+            both = part[keys + columns].merge(theirs[keys + columns], on=keys, suffixes=("", "@archive"))
+            same = pd.Series(True, index=both.index)
+            worst, differs = 0.0, []
+            for c in columns:
+                if c == "prediction":
+                    equal = (both[c].fillna("") == both[f"{c}@archive"].fillna("")).to_numpy()
+                else:
+                    a, b = both[c].to_numpy(float), both[f"{c}@archive"].to_numpy(float)
+                    equal = (a == b) | (np.isnan(a) & np.isnan(b))
+                    if not equal.all():
+                        worst = max(worst, float(np.nanmax(np.abs(a - b))))
+                same &= equal
+                if not equal.all():
+                    differs.append(f"{c} ({int((~equal).sum())})")
+            rows.append(
+                row
+                | {
+                    "archived": len(both),
+                    "identical": int(same.sum()),
+                    "max_abs_diff": worst,
+                    "differs": ", ".join(differs),
+                }
+            )
+    return pd.DataFrame(
+        rows,
+        columns=["experiment", "model", "method", "rows", "archived", "identical", "max_abs_diff", "differs"],
+    )

@@ -1037,6 +1037,17 @@ def _premise_failure(
                 f"{p['why']}: {p['experiment']} places this model's cliff at {where} bits (worse than "
                 f"the reference at {', '.join(f'{b:g}' for b in bad_above['bits'])}), above {bound:g}",
             )
+        # a grid that cannot show any point worse would let every premise pass unexamined
+        n, points = int(table["n"].min()), len(table)
+        floor = min_p_sign_flip(n, points, two_sided=True)
+        if floor >= alpha:
+            need = min_n_sign_flip(alpha, points, two_sided=True)
+            return (
+                "not run",
+                f"premise: {p['experiment']} has n={n} pairs per point on a {points}-point Holm grid, "
+                f"whose smallest attainable p is {floor:.3g} >= alpha {alpha:g}: no point can be shown "
+                f"worse, so the cliff is unknown; it needs {need} pairs per point",
+            )
     return None
 
 

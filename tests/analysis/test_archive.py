@@ -19,6 +19,7 @@ from kvbench.analysis.archive import (
     load_archives,
     read_archive,
     to_csv_bytes,
+    write_archive,
     write_archives,
 )
 
@@ -175,6 +176,33 @@ def test_cli_archive_then_regenerate(runs, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no node conf/experiment/synthetic_cliff.yaml" in err[0]
     assert report.main(["--archive", str(tmp_path / "nope")]) == 2
+
+
+def test_compare_finds_the_one_changed_value_and_the_runs_the_archive_lacks(runs, tmp_path, capsys):
+    """A rerun is checked against the archive sample by sample: identical runs pass, one changed
+    score or generated text is named with its count, and a run the archive lacks is unmatched."""
+    results = tmp_path / "results"
+    write_archives(runs, results)
+    assert report.main(["--compare", str(runs), "--results", str(results)]) == 0
+    out = capsys.readouterr().out
+    total = sum(len(f) for f in frames_from_runs(runs).values())
+    assert f"compare: {total} of {total} rows identical" in out
+
+    folder = results / "semkv_cliff"
+    frame = read_archive(folder)
+    first = frame.index[(frame["method"] == "ott-2b")][0]
+    frame.loc[first, "score"] += 0.5
+    frame.loc[frame.index[frame["method"] == "fp16"][0], "prediction"] = "another answer"
+    frame = frame[frame["method"] != "uniform-4b"]  # a configuration the archive never held
+    write_archive(frame, folder)
+    assert report.main(["--compare", str(runs), "--results", str(results)]) == 1
+    rows = {line.split()[2]: line for line in capsys.readouterr().out.splitlines() if "semkv_cliff" in line}
+    fields = rows["ott-2b"].split()
+    n = int(fields[3])  # rows, archived, identical, max_abs_diff
+    assert fields[4:7] == [str(n), str(n - 1), "0.5"]
+    assert "score (1)" in rows["ott-2b"] and "prediction (1)" in rows["fp16"]
+    assert rows["uniform-4b"].split()[4:6] == ["0", "0"]
+    assert report.main(["--compare", str(tmp_path / "nope")]) == 2
 
 
 def test_committed_results_regenerate_from_the_committed_archives(tmp_path):

@@ -157,6 +157,25 @@ def test_premise_and_floor_reasons_are_measured(page):
     assert "task-level claim: yes" in rows["proxy"]["rule"]
 
 
+def test_a_premise_whose_grid_cannot_conclude_is_not_taken_as_met(tmp_path):
+    """A premise holds when no grid point at or above its bound is worse; with too few pairs no
+    point can ever be worse, so the premise is unknown (``not run``), not met by default."""
+    from kvbench.analysis.claims import _premise_failure
+    from kvbench.analysis.papers import load_claims
+
+    frames = load_archives(_archived(tmp_path))
+    (frame,) = frames.values()
+    held = next(c for c in CLAIMS if c["id"] == "premise-holds")
+    (claim,) = load_claims(write_paper(tmp_path / "papers", [held], paper="semkv"), conf_dir=None)
+    assert _premise_failure(claim, frames, "tiny", 0.05, 0, 300) is None  # 24 pairs per point
+    # 3 samples x 2 seeds: the smallest two-sided Holm p over the 3 points is 3 x 2 / 2**6 = 0.094
+    few = frame[frame["sample_id"].isin(["s00", "s01", "s02"])]
+    verdict, why = _premise_failure(claim, {EXPERIMENT: few}, "tiny", 0.05, 0, 300)
+    assert verdict == "not run"
+    assert "n=6 pairs per point on a 3-point Holm grid, whose smallest attainable p is 0.0938" in why
+    assert "cliff is unknown; it needs 7 pairs per point" in why
+
+
 def test_the_page_counts_every_kind(page):
     _, _, text = page
     assert (
