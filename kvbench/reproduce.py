@@ -103,6 +103,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -663,9 +664,17 @@ def reproduce(args, say=print) -> int:
         for plan in to_run:
             outcomes[plan.node] = _run_node(plan, args, env, None, say)
     else:
+        # print writes the line and its newline separately: two lanes unlocked can splice lines
+        lock = threading.Lock()
+
+        def locked_say(text: str) -> None:
+            with lock:
+                say(text)
+
         with ThreadPoolExecutor(max_workers=parallel) as pool:
             futures = {
-                p.node: pool.submit(_run_node, p, args, env, logs / f"{p.node}.log", say) for p in to_run
+                p.node: pool.submit(_run_node, p, args, env, logs / f"{p.node}.log", locked_say)
+                for p in to_run
             }
             for node, future in futures.items():
                 outcomes[node] = future.result()

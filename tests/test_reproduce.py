@@ -254,6 +254,8 @@ def test_paper_profile_runs_the_variants_and_fails_a_node_without_one(workdir, m
     assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
     out = capsys.readouterr().out
     assert "no paper setting: add conf/experiment/paper/newcomer.yaml" in out
+    # the two lanes print whole lines (unlocked prints had spliced one node's line into another's)
+    assert all(line.count("reproduce:") <= 1 for line in out.splitlines())
 
 
 @pytest.mark.parametrize("flag", ["--only", "--skip"])
@@ -269,7 +271,7 @@ STRONG = sorted(p.stem for p in (Path(CONF_DIR) / "experiment" / "strong").glob(
 
 
 def test_strong_profile_runs_only_the_nodes_with_a_second_model_variant(workdir, capsys):
-    assert STRONG == ["kivi_group_ablation", "kivi_gsm8k", "ott_vs_kivi"]
+    assert STRONG == ["intactkv_ppl", "kivi_group_ablation", "kivi_gsm8k", "ott_vs_kivi", "specache_hitrate"]
     assert reproduce.profile_nodes(reproduce.discover(), "strong", None) == STRONG
     assert reproduce.profile_nodes(["semkv_cliff"], "cpu", None) == ["semkv_cliff"]
     # a node named by --only stays, and fails with the file to add
@@ -294,9 +296,10 @@ def test_strong_variant_keeps_the_node_and_changes_the_model(node):
         )
     assert cfg["model"]["name"] == "qwen2.5-coder-1.5b-instruct"
     assert cfg["analysis"]["name"] == node and cfg["output"]["root"] == f"results/runs/experiments/{node}"
-    task = cfg["task"]
-    # a NIAH grid's sample count is its lengths x depths; other tasks take the node's limit
-    assert cfg["analysis"]["n"] == (task.get("limit") or task["num_lengths"] * task["num_depths"])
+    # the pairs the node's analysis declares are the samples each of its jobs plans (a NIAH grid's
+    # lengths x depths, a perplexity or hit-rate node's windows, another task's limit)
+    plan = reproduce.plan_node(node, "strong", compose=False)
+    assert not plan.error and {job.samples for job in plan.jobs} == {cfg["analysis"]["n"]}
     # the cost model scales with the model: the 1.5B's modelled sample costs more than the default's
     params_15, *_ = reproduce.model_shape(cfg["model"])
     assert params_15 / reproduce.CPU_MODEL_PARAMETERS > 10

@@ -851,6 +851,22 @@ def _cliff_table(
     return table
 
 
+def _grid_cannot_conclude(table: pd.DataFrame, alpha: float) -> str | None:
+    """Why a cliff grid (``_cliff_table``'s rows) cannot show any point worse than its reference,
+    or None when it can: with n pairs per point on a k-point Holm grid the smallest attainable
+    two-sided sign-flip p is ``min_p_sign_flip(n, k)``, and a grid at or above alpha there can only
+    ever read "no point worse"."""
+    n, points = int(table["n"].min()), len(table)
+    floor = min_p_sign_flip(n, points, two_sided=True)
+    if floor < alpha:
+        return None
+    need = min_n_sign_flip(alpha, points, two_sided=True)
+    return (
+        f"n={n} pairs per point on a {points}-point Holm grid: the smallest attainable p is {floor:.3g} "
+        f">= alpha {alpha:g}, so no point can be shown worse; it needs {need} pairs per point"
+    )
+
+
 def _cliff_outcome(ctx: _Context, rule: Rule) -> Outcome:
     """cliff_within: every grid point of the family is compared with the reference through
     ``_cliff_table``; a grid whose pairs are too few for the two-sided exact test to reach alpha
@@ -876,7 +892,6 @@ def _cliff_outcome(ctx: _Context, rule: Rule) -> Outcome:
     out = Outcome(rule.text, "inconclusive", bracket, None, n)
     p_worst = float(table["p_holm"].min())
     out.measured = f"cliff {bracket} on {metric}, n={n} per point; {grid}; smallest Holm p={_fmt(p_worst)}"
-    floor = min_p_sign_flip(n, points, two_sided=True)
     holds = (high["verdict"] == "equivalent") if margin is not None else (high["verdict"] != "worse")
     # A refutation needs only one side of the interval on the grid, so it is checked first.
     if (high["verdict"] == "worse").any() or at_lo["verdict"].isin(["equivalent", "better"]).any():
@@ -889,13 +904,9 @@ def _cliff_outcome(ctx: _Context, rule: Rule) -> Outcome:
     if holds.all() and (at_lo["verdict"] == "worse").all():
         out.verdict = "reproduced"
         return out
-    if floor >= ctx.alpha:
-        need = min_n_sign_flip(ctx.alpha, points, two_sided=True)
-        raise NotRun(
-            f"n={n} pairs per point on a {points}-point Holm grid: the smallest attainable p is {floor:.3g} "
-            f">= alpha {ctx.alpha:g}, so no point can be shown worse; the rule needs {need} pairs per "
-            f"point (rerun {ctx.claim.experiment} at its declared size)"
-        )
+    stuck = _grid_cannot_conclude(table, ctx.alpha)
+    if stuck is not None:
+        raise NotRun(f"{stuck} (rerun {ctx.claim.experiment} at its declared size)")
     ref_pairs = _pairs(ref, metric, reference)
     sign = 1.0 if ctx.higher_is_better(metric) else -1.0
     level = ctx.alpha / points
@@ -1038,16 +1049,9 @@ def _premise_failure(
                 f"the reference at {', '.join(f'{b:g}' for b in bad_above['bits'])}), above {bound:g}",
             )
         # a grid that cannot show any point worse would let every premise pass unexamined
-        n, points = int(table["n"].min()), len(table)
-        floor = min_p_sign_flip(n, points, two_sided=True)
-        if floor >= alpha:
-            need = min_n_sign_flip(alpha, points, two_sided=True)
-            return (
-                "not run",
-                f"premise: {p['experiment']} has n={n} pairs per point on a {points}-point Holm grid, "
-                f"whose smallest attainable p is {floor:.3g} >= alpha {alpha:g}: no point can be shown "
-                f"worse, so the cliff is unknown; it needs {need} pairs per point",
-            )
+        stuck = _grid_cannot_conclude(table, alpha)
+        if stuck is not None:
+            return "not run", f"premise: {p['experiment']}: {stuck}, so the cliff is unknown"
     return None
 
 

@@ -288,6 +288,8 @@ class OTT(Method):
     Layer = OTTLayer
 
     def label(self) -> str:
-        c, paper = self.config, OTTConfig()
-        pool = "" if c.pool_size == paper.pool_size else f"-pool{c.pool_size}"
-        return f"ott-{kv_bits_label(c)}{pool}" + ("" if c.selection == paper.selection else f"-{c.selection}")
+        # the class attributes are the paper's defaults (no config is built to read them)
+        c = self.config
+        pool = "" if c.pool_size == OTTConfig.pool_size else f"-pool{c.pool_size}"
+        selection = "" if c.selection == OTTConfig.selection else f"-{c.selection}"
+        return f"ott-{kv_bits_label(c)}{pool}{selection}"

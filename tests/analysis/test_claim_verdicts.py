@@ -172,8 +172,8 @@ def test_a_premise_whose_grid_cannot_conclude_is_not_taken_as_met(tmp_path):
     few = frame[frame["sample_id"].isin(["s00", "s01", "s02"])]
     verdict, why = _premise_failure(claim, {EXPERIMENT: few}, "tiny", 0.05, 0, 300)
     assert verdict == "not run"
-    assert "n=6 pairs per point on a 3-point Holm grid, whose smallest attainable p is 0.0938" in why
-    assert "cliff is unknown; it needs 7 pairs per point" in why
+    assert "n=6 pairs per point on a 3-point Holm grid: the smallest attainable p is 0.0938" in why
+    assert "it needs 7 pairs per point, so the cliff is unknown" in why
 
 
 def test_the_page_counts_every_kind(page):
