@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvbench.cache import register_attention
+from kvbench.cache.reach import check_cache_reached
 from kvbench.config import build_config
 from kvbench.data import resolve_data_root
 from kvbench.generate import ModelRunner
@@ -74,14 +75,19 @@ class LoadedModel:
 
 def load_for_methods(model: ModelConfig | dict[str, Any] | str, device: str = "auto") -> LoadedModel:
     """Load ``model`` (a config, a node or a ``conf/model`` name) on ``device`` (``auto``, ``cpu``,
-    ``cuda``) with kvbench's attention implementation."""
+    ``cuda``) with kvbench's attention implementation; a model whose forward does not reach
+    kvbench's cache (another transformers release) is refused
+    (:func:`kvbench.cache.reach.check_cache_reached`)."""
     cfg = model_config(model)
     t0 = time.perf_counter()
     loaded, tokenizer = load_model(
         cfg, attn_implementation=register_attention(), device=resolve_device(device)
     )
     load_s = time.perf_counter() - t0
-    return LoadedModel(cfg, loaded, tokenizer, model_shape(loaded, cfg.max_context), load_s)
+    shape = model_shape(loaded, cfg.max_context)
+    # refuse, in one line, a transformers that does not hand kvbench's cache to the layers
+    check_cache_reached(loaded, shape.num_layers)
+    return LoadedModel(cfg, loaded, tokenizer, shape, load_s)
 
 
 def build_runner(
