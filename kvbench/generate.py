@@ -27,6 +27,7 @@ import torch
 
 from kvbench.cache import KVBenchCache, MemoryReport, memory_report
 from kvbench.cache.batch import SequenceBatchCache, sequence_caches
+from kvbench.cache.prefill import SHARED_PREFILLS, record_prefill, replay_prefill
 from kvbench.cache.sliding import with_window_layers
 from kvbench.cache.static import StaticStep, note_decode_step
 from kvbench.methods import Method, ModelShape
@@ -47,6 +48,13 @@ class Generation:
     def new_tokens(self) -> int:
         return len(self.token_ids)
 
+
+# The prompt positions whose logits a prefill computes (the last ones; only the last is used). Not
+# 1: the output projection of one row is a matrix-vector product, whose float32 sums are not those
+# of the same row inside a matrix product on the CPU's BLAS (2.7e-5 apart on the default model);
+# from 16 rows on the last row is bit-identical to the whole prompt's (tests/test_generation.py
+# checks it), and the other positions' projections, 15-40 % of a 0.3-2K-token prefill, are skipped.
+PREFILL_LOGIT_ROWS = 16
 
 # How the first continuation token is predicted (see ModelRunner.score).
 SCORE_FIRST = ("prefill", "cache")
@@ -93,7 +101,43 @@ class ModelRunner:
         return cache
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: KVBenchCache) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, cache: KVBenchCache) -> torch.Tensor:
+        """The prompt ``input_ids [1, T]`` into the fresh ``cache``; returns float32 logits of its
+        last ``min(T, PREFILL_LOGIT_ROWS)`` positions ``[1, r, vocab]`` (all T where the method reads
+        them, :meth:`Method.needs_prefill_logits`).
+
+        Where the method's prefill is the FP16 one (:meth:`Method.prefill_is_fp16`), the forward is
+        shared (:mod:`kvbench.cache.prefill`): the first request for these tokens on this model in
+        the process runs the model and is recorded, and every later one, of any declaring method,
+        hands the record to its cache instead of running the model again. Either way the cache
+        holds the same bytes and the logits are the same."""
+        all_rows = self.method.needs_prefill_logits()
+        rows = 0 if all_rows else min(input_ids.shape[1], PREFILL_LOGIT_ROWS)
+        store = SHARED_PREFILLS
+        share = (
+            input_ids.shape[0] == 1
+            and not isinstance(cache, SequenceBatchCache)
+            and not cache.static
+            and self.method.prefill_is_fp16()
+            and store.enabled
+        )
+        if not share:
+            return self.forward(input_ids, cache, logits_to_keep=rows)
+        record = store.get(self.model, input_ids, rows)
+        if record is not None:
+            replay_prefill(cache, record)
+            logits = record.logits.clone()
+            self.method.after_forward(cache, input_ids.to(self.device), logits)
+            return logits
+        with record_prefill(cache) as recorder:
+            logits = self.forward(input_ids, cache, logits_to_keep=rows)
+        record = recorder.finish(logits)
+        if record is not None:
+            store.put(self.model, input_ids, rows, record)
+        return logits
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache: KVBenchCache, logits_to_keep: int = 0) -> torch.Tensor:
         """``input_ids [1, t]`` appended to ``cache``; returns float32 logits ``[1, t, vocab]``. Over a
         :class:`~kvbench.cache.batch.SequenceBatchCache`, ``input_ids [R, t]`` is one row per
         sequence the cache currently carries (left-padded in the prefill), given the batch's
@@ -102,7 +146,8 @@ class ModelRunner:
         input_ids = input_ids.to(self.device)
         if isinstance(cache, SequenceBatchCache):
             return self._forward_batch(input_ids, cache)
-        logits = self.model(input_ids=input_ids, **cache.forward_kwargs()).logits.float()
+        kept = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+        logits = self.model(input_ids=input_ids, **kept, **cache.forward_kwargs()).logits.float()
         self.method.after_forward(cache, input_ids, logits)
         if cache.static:
             cache.advance(input_ids.shape[1])
@@ -163,7 +208,7 @@ class ModelRunner:
             # every token the request can store: the prompt and all but the last new token
             cache.reserve(input_ids.shape[1] + max(max_new_tokens - 1, 0))
         t0 = time.perf_counter()
-        logits = self.forward(input_ids, cache)
+        logits = self.prefill(input_ids, cache)
         prefill_s = time.perf_counter() - t0
         if cache.static:
             capture = self.device.type == "cuda"
@@ -359,7 +404,7 @@ class ModelRunner:
             stored = context_ids[:, :-1]
             fed = torch.cat([context_ids[:, -1:], continuation_ids[:, :-1]], dim=1)
         # "prefill": the logits predicting the first token of the next piece, carried between pieces
-        pending = self.forward(stored, cache)[:, -1:] if stored.shape[1] else None
+        pending = self.prefill(stored, cache)[:, -1:] if stored.shape[1] else None
         nll: list[float] = []
         greedy = True
         for start in range(0, continuation_ids.shape[1], chunk):

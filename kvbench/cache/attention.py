@@ -25,6 +25,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask
 from kvbench.cache.cache import KVBenchCache
 from kvbench.cache.capture import active_capture
 from kvbench.cache.masks import newest_causal_mask
+from kvbench.cache.prefill import active_recorder
 
 ATTN_IMPLEMENTATION = "kvbench"
 
@@ -37,6 +38,9 @@ def kvbench_attention(module, query, key, value, attention_mask, kvbench_cache=N
     if capture is not None:
         capture.record(module, query, key, value, kwargs)
     layer = None
+    recorder = active_recorder()
+    if recorder is not None:
+        recorder.on_attention(kvbench_cache, module, query, attention_mask, kwargs)
     if isinstance(kvbench_cache, KVBenchCache):
         layer = kvbench_cache.layer_to_attend(getattr(module, "layer_idx", None), key)
     if layer is None:

@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvbench.cache.layer import KVLayer
+from kvbench.cache.prefill import active_recorder
 
 # The keyword under which a forward hands its kvbench cache to the attention function.
 ATTENTION_KWARG = "kvbench_cache"
@@ -69,6 +70,9 @@ class KVBenchCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         check_handed_to_attention(self, kwargs)
+        recorder = active_recorder()
+        if recorder is not None:
+            recorder.on_update(self, layer_idx, key_states, value_states, kwargs)
         layer = self.layers[layer_idx]
         keys, values = layer.update(key_states, value_states, *args, **kwargs)
         self._returned[layer_idx] = keys

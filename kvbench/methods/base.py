@@ -215,8 +215,30 @@ class Method:
     contract_node: ClassVar[dict[str, Any]] = {}
     contract_error: ClassVar[float] = 0.5
 
+    # Whether the prefill forward under this method is the FP16 one (attention over the exact keys
+    # and values just computed, nothing read from the forward but the cache's update and attend
+    # calls), so that a prefill recorded under any declaring method can be handed to this method's
+    # cache instead of running the model again (kvbench.cache.prefill). Declared, never assumed:
+    # tests/cache/test_prefill.py checks every declaring method's cache holds the same bytes after
+    # a shared prefill as after its own.
+    fp16_prefill: ClassVar[bool] = False
+
     def __init__(self, config: MethodConfig):
         self.config = config
+
+    def prefill_is_fp16(self) -> bool:
+        """Whether this configuration's prefill may be shared (:attr:`fp16_prefill`, unless a
+        configuration reads more of the forward)."""
+        return self.fp16_prefill and not self.needs_prefill_logits()
+
+    def needs_prefill_logits(self) -> bool:
+        """Whether :meth:`after_forward` reads the prefill's logits at every prompt position (the
+        runner otherwise computes only the last positions'). Default: no."""
+        return False
+
+    def release(self) -> None:
+        """Undo what :meth:`prepare` attached to the model (forward hooks), so that a model kept
+        for the next run of the process carries nothing of this one. Default: nothing."""
 
     def make_layer(self, layer_idx: int, shape: ModelShape, model_dtype: torch.dtype) -> KVLayer:
         """One transformer layer's storage. Default: ``Layer(layer_idx, config, fp_dtype)``, with

@@ -54,6 +54,7 @@ class FullPrecisionLayer(KVLayer):
 
 @register_method("fp16")
 class FP16(Method):
+    fp16_prefill = True
     Config = FP16Config
 
     def make_layer(self, layer_idx, shape, model_dtype):

@@ -71,9 +71,17 @@ class IntactKVConfig(MethodConfig):
 @register_method("intactkv")
 class IntactKV(Method):
     Config = IntactKVConfig
+    fp16_prefill = True  # as its base's is (prefill_is_fp16)
 
     def new_cache(self, shape, model_dtype):
         return self.config.base_method.new_cache(shape, model_dtype)
+
+    # the cache is the base method's: so is the prefill
+    def prefill_is_fp16(self) -> bool:
+        return self.config.base_method.prefill_is_fp16()
+
+    def needs_prefill_logits(self) -> bool:
+        return self.config.base_method.needs_prefill_logits()
 
     def base_label(self) -> str:
         return f"intactkv{self.config.tokens}-{self.config.base_method.base_label()}"

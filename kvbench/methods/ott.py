@@ -284,6 +284,7 @@ class OTTLayer(KIVILayer):
 
 @register_method("ott")
 class OTT(Method):
+    fp16_prefill = True
     Config = OTTConfig
     Layer = OTTLayer
 

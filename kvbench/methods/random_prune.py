@@ -48,6 +48,7 @@ class RandomPruneLayer(EvictionLayer):
 
 @register_method("random_prune")
 class RandomPrune(EvictionMethod):
+    fp16_prefill = True
     Config = RandomPruneConfig
 
     def build_layer(self, layer_idx, fp_dtype):

@@ -416,6 +416,8 @@ class SemKV(Method):
     sequence, :mod:`kvbench.cache.batch`) each sequence's is kept apart, by its cache, and swapped
     in around that sequence's :meth:`after_forward`."""
 
+    fp16_prefill = True
+
     Config = SemKVConfig
     Layer = SemKVLayer
 
@@ -425,6 +427,19 @@ class SemKV(Method):
         self.last_logprobs: torch.Tensor | None = None
         # id(cache) -> that sequence's last_logprobs, for the caches of the batch being decoded
         self._batch_logprobs: dict[int, torch.Tensor | None] = {}
+
+    def prefill_is_fp16(self) -> bool:
+        # the hidden-state metrics read the decoder layers' outputs through forward hooks, which a
+        # shared prefill does not run; the logit metrics read every position's logits
+        return self.config.metric not in HIDDEN_METRICS and super().prefill_is_fp16()
+
+    def needs_prefill_logits(self) -> bool:
+        return self.config.metric in LOGIT_METRICS
+
+    def release(self) -> None:
+        if self.hidden is not None:
+            self.hidden.close()
+            self.hidden = None
 
     def new_cache(self, shape, model_dtype):
         self.last_logprobs = None

@@ -87,6 +87,7 @@ class SnapKVLayer(EvictionLayer):
 
 @register_method("snapkv")
 class SnapKV(EvictionMethod):
+    fp16_prefill = True
     Config = SnapKVConfig
 
     def build_layer(self, layer_idx, fp_dtype):

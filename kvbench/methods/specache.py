@@ -435,6 +435,7 @@ def _hand_out(caches: list[SpeCacheCache], tokens: torch.Tensor) -> None:
 
 @register_method("specache")
 class SpeCache(Method):
+    fp16_prefill = True
     Config = SpeCacheConfig
     # the accelerator's low-bit copy is what read() returns; the FP16 host copy is not device memory
     contract_node = {"bits": 2}

@@ -63,6 +63,7 @@ class StreamingLLMLayer(EvictionLayer):
 
 @register_method("streamingllm")
 class StreamingLLM(EvictionMethod):
+    fp16_prefill = True
     Config = StreamingLLMConfig
 
     def build_layer(self, layer_idx, fp_dtype):

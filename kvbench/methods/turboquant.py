@@ -191,6 +191,7 @@ class TurboQuantLayer(CompositeLayer):
 
 @register_method("turboquant")
 class TurboQuant(Method):
+    fp16_prefill = True
     Config = TurboQuantConfig
     Layer = TurboQuantLayer
 

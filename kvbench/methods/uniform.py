@@ -101,5 +101,6 @@ class UniformLayer(CompositeLayer):
 
 @register_method("uniform")
 class Uniform(Method):
+    fp16_prefill = True
     Config = UniformConfig
     Layer = UniformLayer

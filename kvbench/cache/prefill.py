@@ -1,0 +1,271 @@
+"""One prefill per prompt, shared by every method whose prefill is the FP16 one.
+
+Prefill follows the papers (DESIGN.md): attention inside the prefill forward uses the keys and values
+just computed, in full precision, and only what is stored is quantized. So for every method that
+declares it (:meth:`kvbench.methods.Method.prefill_is_fp16`) the prefill forward is the same
+computation whatever the method: the same hidden states, the same logits, the same keys and values
+handed to the cache. What differs is only what each cache makes of them. A node whose arms run the
+same prompts (9-28 methods over one set of windows) therefore needs the model's forward once per
+prompt; each further arm only stores.
+
+How:
+
+- :func:`record_prefill` opens a recorder for one forward over one cache. While it is open,
+  :meth:`kvbench.cache.KVBenchCache.update` records each layer's input keys and values ``[1, H_kv,
+  T, D]`` (and the update's keywords), and the attention function
+  (:func:`kvbench.cache.attention.kvbench_attention`) the layer's query ``[1, H, T, D]``, mask and
+  keywords. Copies are kept, so nothing a cache does to its inputs later reaches the record.
+- :func:`replay_prefill` hands a :class:`PrefillRecord` to another cache of any method, layer by
+  layer, through the same two calls the forward makes: ``cache.update(keys, values, layer_idx,
+  kwargs=...)`` then, where the layer overrides :meth:`~kvbench.cache.layer.KVLayer.attend` (eviction
+  scores, SnapKV's observation window, pools chosen by attention), the layer's ``attend`` on the
+  recorded query. The attention output is dropped: it is the recorded forward's. The cache ends up
+  holding what its own prefill would have stored, byte for byte (``tests/cache/test_prefill.py``
+  checks the digests of every method that declares it).
+- :data:`SHARED_PREFILLS` keeps the records of one process by (model, prompt tokens), within a byte
+  budget (``KVBENCH_PREFILL_STORE_GB``, default a sixth of the machine's memory; 0 switches sharing
+  off). A full store keeps what it holds and takes nothing new: a node runs its arms one after
+  another over the same samples in the same order, so keeping the first samples serves every later
+  arm, where evicting the oldest would miss every time.
+
+What is recorded is the forward of the first arm that runs the prompt, through its own cache: its
+logits are its own prefill's. That equals every other declaring method's prefill only because the
+declaration is true; a method that computes its prefill attention itself (H2O, in float32) or reads
+more of the forward than the cache calls (SemKV's hidden-state and logit metrics) does not declare
+it and always prefills itself.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ENV_BUDGET = "KVBENCH_PREFILL_STORE_GB"
+
+
+@dataclass
+class LayerPrefill:
+    """One layer's part of a prefill forward: the cache update's inputs and keywords, and what the
+    attention function was handed besides the keys (module, query, mask, keywords)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    update_kwargs: dict[str, Any]
+    module: Any = None
+    query: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    attention_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PrefillRecord:
+    """A whole prefill: each layer's :class:`LayerPrefill` and the logits the forward returned
+    (float32 ``[1, r, vocab]``, the rows the runner kept)."""
+
+    layers: dict[int, LayerPrefill]
+    logits: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.logits]
+        for layer in self.layers.values():
+            tensors += [layer.keys, layer.values]
+            tensors += [t for t in (layer.query, layer.mask) if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Keywords of a recorded call with every kvbench cache taken out (a record must not hold the
+    first arm's cache alive, and each replay hands its own)."""
+    from kvbench.cache.cache import KVBenchCache
+
+    out = {}
+    for k, v in kwargs.items():
+        if isinstance(v, dict):
+            v = _without_cache(v)
+        elif isinstance(v, KVBenchCache):
+            continue
+        out[k] = v
+    return out
+
+
+class PrefillRecorder:
+    """Collects one forward's :class:`LayerPrefill` per layer (see the module docstring)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.layers: dict[int, LayerPrefill] = {}
+        self.complete = True
+
+    def on_update(self, cache, layer_idx: int, keys, values, kwargs: dict[str, Any]) -> None:
+        if cache is not self.cache:
+            return
+        if layer_idx in self.layers:
+            self.complete = False  # a layer updated twice is not a plain prefill
+        self.layers[layer_idx] = LayerPrefill(keys.clone(), values.clone(), _without_cache(kwargs))
+
+    def on_attention(self, cache, module, query, mask, kwargs: dict[str, Any]) -> None:
+        if cache is not self.cache:
+            return
+        layer = self.layers.get(getattr(module, "layer_idx", None))
+        if layer is None or layer.query is not None:
+            self.complete = False
+            return
+        layer.module, layer.query = module, query.clone()
+        layer.mask = mask.clone() if isinstance(mask, torch.Tensor) else mask
+        layer.attention_kwargs = _without_cache(kwargs)
+
+    def finish(self, logits: torch.Tensor) -> PrefillRecord | None:
+        """The record, or None when the forward was not one plain update and attention per layer."""
+        n = len(self.cache.layers)
+        whole = self.complete and sorted(self.layers) == list(range(n))
+        if not whole or any(layer.query is None for layer in self.layers.values()):
+            return None
+        return PrefillRecord(dict(self.layers), logits.detach().clone())
+
+
+_RECORDER: contextvars.ContextVar[PrefillRecorder | None] = contextvars.ContextVar(
+    "kvbench_prefill_recorder", default=None
+)
+
+
+def active_recorder() -> PrefillRecorder | None:
+    return _RECORDER.get()
+
+
+@contextmanager
+def record_prefill(cache) -> Iterator[PrefillRecorder]:
+    """Record the forward over ``cache`` made inside the block."""
+    recorder = PrefillRecorder(cache)
+    token = _RECORDER.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _RECORDER.reset(token)
+
+
+def _attend_observes(layer) -> bool:
+    """Whether ``layer``'s attend does more than plain attention over a prefill's own tokens (it
+    overrides :meth:`KVLayer.attend`), so that a replay must call it."""
+    from kvbench.cache.layer import KVLayer
+
+    return type(layer).attend is not KVLayer.attend
+
+
+@torch.no_grad()
+def replay_prefill(cache, record: PrefillRecord) -> None:
+    """Store ``record`` in ``cache`` (empty, of any method) as its own prefill forward would have."""
+    from kvbench.cache.cache import ATTENTION_KWARG
+
+    for idx in range(len(cache.layers)):
+        part = record.layers[idx]
+        update_kwargs = dict(part.update_kwargs)
+        inner = dict(update_kwargs.get("kwargs") or {})
+        inner[ATTENTION_KWARG] = cache
+        update_kwargs["kwargs"] = inner
+        keys, values = cache.update(part.keys, part.values, idx, **update_kwargs)
+        layer = cache.layer_to_attend(idx, keys)
+        if layer is None:
+            continue
+        if _attend_observes(layer):
+            layer.attend(part.module, part.query, keys, values, part.mask, **part.attention_kwargs)
+        else:
+            layer._pending = None  # what plain attend does first; the output is the recorded one
+
+
+class PrefillStore:
+    """Records of one process by (model, prompt), within ``budget`` bytes (see the module
+    docstring). ``hits``/``misses``/``refused`` count lookups and records too large to keep."""
+
+    def __init__(self, budget: int | None = None):
+        self._budget = budget
+        self.records: OrderedDict[tuple, PrefillRecord] = OrderedDict()
+        self.held = 0
+        self.hits = self.misses = self.refused = 0
+        self._model: weakref.ref | None = None
+
+    @property
+    def budget(self) -> int:
+        """Bytes it may hold (None at construction: :func:`default_budget`, read on first use)."""
+        if self._budget is None:
+            self._budget = default_budget()
+        return self._budget
+
+    @budget.setter
+    def budget(self, value: int | None) -> None:
+        self._budget = value
+        self.clear()
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    @staticmethod
+    def key(model, input_ids: torch.Tensor, rows: int) -> tuple:
+        ids = input_ids.detach().to("cpu", torch.int64).contiguous()
+        digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+        return (id(model), tuple(ids.shape), digest, rows)
+
+    def _check_model(self, model) -> None:
+        # one model at a time: records of a model that is gone (or replaced) are dropped
+        current = None if self._model is None else self._model()
+        if current is not model:
+            self.clear()
+            self._model = weakref.ref(model)
+
+    def get(self, model, input_ids: torch.Tensor, rows: int) -> PrefillRecord | None:
+        self._check_model(model)
+        record = self.records.get(self.key(model, input_ids, rows))
+        if record is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return record
+
+    def put(self, model, input_ids: torch.Tensor, rows: int, record: PrefillRecord) -> bool:
+        self._check_model(model)
+        size = record.nbytes
+        if self.held + size > self.budget:
+            self.refused += 1
+            return False
+        key = self.key(model, input_ids, rows)
+        if key in self.records:
+            return True
+        self.records[key] = record
+        self.held += size
+        return True
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.held = 0
+
+
+def default_budget() -> int:
+    """Bytes the process may hold in shared prefills: ``KVBENCH_PREFILL_STORE_GB`` (GiB; 0 turns
+    sharing off), else a sixth of the machine's physical memory."""
+    raw = os.environ.get(ENV_BUDGET)
+    if raw not in (None, ""):
+        try:
+            gb = float(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_BUDGET}={raw!r}: a number of GiB (0 switches sharing off)") from None
+        if gb < 0:
+            raise ValueError(f"{ENV_BUDGET}={raw!r}: a number of GiB >= 0 (0 switches sharing off)")
+        return int(gb * 2**30)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 * 2**30
+    return total // 6
+
+
+SHARED_PREFILLS = PrefillStore()
