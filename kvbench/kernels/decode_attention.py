@@ -17,14 +17,13 @@ exponentials are ``exp2``.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kvbench.kernels.runtime import interpreting
+from kvbench.kernels.runtime import plans_for_cuda, sm_count
 from kvbench.quant.attention_ref import PackedKV
 from kvbench.quant.packing import chunk_layout
 
@@ -35,6 +34,20 @@ _LOG2E = 1.4426950408889634
 _MIN_BLOCK_M = 16
 # Most query rows (group * nq) one program takes; decode has a handful, prefill belongs elsewhere.
 _MAX_ROWS = 128
+
+
+def gpu_launch_config(d: int) -> tuple[int, int]:
+    """``(block_n, num_warps)`` of the partial kernel on a GPU for head dim ``d``.
+
+    Chosen from the compiled kernels' ptxas resource usage for sm_90 and sm_80 (python -m
+    kvbench.kernels.compile_check; the committed table is benchmarks/triton_compile.md). At d = 64,
+    64 tokens a block with 4 warps take ~200-230 registers and spill nothing. At d = 128 that tile
+    spills under every Triton tried (triton 3.6: 32 registers and 3.2-3.5 KB of stack per thread; 3.9:
+    0.8-3.4 KB): 32 tokens a block with 8 warps take 198-244 registers and spill nothing (3.6 and
+    3.9, sm_90 and sm_80), at 26 KB of shared memory. The ``tl.dot`` stays ieee (exact to float32
+    rounding); tf32 would free registers (120-178) at ~1e-3 relative error.
+    """
+    return (64, 4) if d <= 64 else (32, 8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,25 +405,22 @@ class _Plan:
     block_n: int
     num_splits: int
     split_len: int
+    num_warps: int = 4
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _plan(n_total: int, programs_per_split: int, device: torch.device, block_n, num_splits) -> _Plan:
+def _plan(n_total: int, programs_per_split: int, device: torch.device, block_n, num_splits, d: int) -> _Plan:
     """Pick block size and split count: enough programs to fill the GPU, few on the interpreter."""
-    on_gpu = device.type == "cuda" and not interpreting()
+    on_gpu = plans_for_cuda(device)
+    gpu_block_n, num_warps = gpu_launch_config(d)
     if block_n is None:
         # The interpreter pays per operation, not per element: big blocks mean few iterations.
-        block_n = 64 if on_gpu else min(512, max(16, triton.next_power_of_2(n_total)))
+        block_n = gpu_block_n if on_gpu else min(512, max(16, triton.next_power_of_2(n_total)))
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     n_blocks = -(-n_total // block_n)
     if num_splits is None:
         if on_gpu:
-            num_splits = -(-2 * _sm_count(device) // programs_per_split)
+            num_splits = -(-2 * sm_count(device) // programs_per_split)
         else:
             num_splits = 1
     if num_splits < 1:
@@ -418,7 +428,7 @@ def _plan(n_total: int, programs_per_split: int, device: torch.device, block_n, 
     blocks_per_split = -(-n_blocks // min(num_splits, n_blocks))
     split_len = blocks_per_split * block_n
     # Recount so that no slice is empty.
-    return _Plan(block_n, -(-n_total // split_len), split_len)
+    return _Plan(block_n, -(-n_total // split_len), split_len, num_warps)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -521,8 +531,9 @@ def fused_decode_attention(
             ``nq`` of these ``N0`` tokens: query ``i`` does not see the newest ``nq - 1 - i``.
         extra_keys, extra_values: full-precision ``[B, H_kv, E, D]`` or None (both or neither), seen
             by every query.
-        block_n: tokens per inner iteration (power of two >= 16); default 64 on GPU, large on the
-            interpreter.
+        block_n: tokens per inner iteration (power of two >= 16); default on GPU 64 for D <= 64 and
+            32 (with 8 warps) above, without register spills (:func:`gpu_launch_config`); large on
+            the interpreter.
         num_splits: slices of the token axis (flash-decoding); default fills the GPU (1 on CPU).
         input_precision: of the two ``tl.dot`` products. ``"ieee"`` (default) is float32 exact to
             rounding; ``"tf32x3"`` is close to it and ``"tf32"`` (~1e-3 relative) is faster on GPUs.
@@ -554,7 +565,7 @@ def fused_decode_attention(
 
     n_total = n_main + n_extra
     bh = batch * lead[1]
-    plan = _plan(n_total, bh, q.device, block_n, num_splits)
+    plan = _plan(n_total, bh, q.device, block_n, num_splits, d)
     block_m = max(_MIN_BLOCK_M, triton.next_power_of_2(rows))
 
     q_rows = q.contiguous()
@@ -583,6 +594,7 @@ def fused_decode_attention(
         HAS_VQ=vc["HAS"], V_LEVELS=vc["LEVELS"], V_CHUNK=vc["CHUNK"], V_WORD=vc["WORD"], V_BITS=vc["BITS"],
         V_GROUP=vc["GROUP"], V_AXIS_TOKEN=vc["AXIS_TOKEN"],
         HAS_KR=has_kr, HAS_VR=has_vr, HAS_EXTRA=has_extra, DOT_PRECISION=input_precision,
+        num_warps=plan.num_warps,
     )  # fmt: skip
     _decode_reduce_kernel[(bh,)](
         m_part, l_part, acc_part, out, *q_strides, plan.num_splits,

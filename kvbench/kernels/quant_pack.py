@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kvbench.errors import ConfigError
-from kvbench.kernels.runtime import interpreting, require_triton
+from kvbench.kernels.runtime import interpreting, planning_cuda, require_triton
 from kvbench.quant.levels import check_levels
 from kvbench.quant.packing import chunk_layout, packed_length
 
@@ -331,7 +331,7 @@ def _check_device(*tensors: torch.Tensor) -> None:
     device = tensors[0].device
     if any(t.device != device for t in tensors):
         raise ValueError(f"tensors on different devices: {[str(t.device) for t in tensors]}")
-    if device.type != "cuda" and not interpreting():
+    if device.type != "cuda" and not interpreting() and not planning_cuda():
         raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {device}")
 
 

@@ -9,6 +9,8 @@ Nothing here imports triton at module level: kvbench's torch path may import thi
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 
 import torch
@@ -29,7 +31,7 @@ def triton_available() -> bool:
     """True when triton is importable and either a CUDA device is present or the interpreter is on."""
     if importlib.util.find_spec("triton") is None:
         return False
-    return torch.cuda.is_available() or interpreting()
+    return torch.cuda.is_available() or interpreting() or planning_cuda()
 
 
 def require_triton(key: str = "method.backend") -> None:
@@ -41,3 +43,49 @@ def require_triton(key: str = "method.backend") -> None:
             "needs a CUDA device, or TRITON_INTERPRET=1 set before triton is imported "
             "(CPU interpreter, slow)",
         )
+
+
+# -- the CUDA launch plan away from a GPU ---------------------------------------------------------
+# The kernels' host code picks block sizes and split counts for a CUDA device ("the launch plan")
+# and small, few programs for the interpreter. kvbench.kernels.compile_check traces the launches of
+# the CUDA plan on a machine without a GPU, to compile exactly those specializations for sm_90 and
+# sm_80; inside :func:`cuda_launch_plan` the host code plans as on a device with that many SMs.
+_PLANNED_SMS: list[int] = []
+
+
+@contextlib.contextmanager
+def cuda_launch_plan(sm_count: int = 132):
+    """Within the block, :func:`plans_for_cuda` is true and :func:`sm_count` is ``sm_count`` (an
+    H100/H200 has 132), whatever the tensors' device."""
+    if sm_count < 1:
+        raise ValueError(f"sm_count must be >= 1, got {sm_count}")
+    _PLANNED_SMS.append(sm_count)
+    try:
+        yield
+    finally:
+        _PLANNED_SMS.pop()
+
+
+def planning_cuda() -> bool:
+    """Whether a :func:`cuda_launch_plan` block is open (kernel wrappers then accept CPU tensors:
+    their launches are traced, not run)."""
+    return bool(_PLANNED_SMS)
+
+
+def plans_for_cuda(device: torch.device) -> bool:
+    """Whether launches on ``device`` take the CUDA plan: a CUDA device outside the interpreter, or
+    anything inside :func:`cuda_launch_plan`."""
+    return bool(_PLANNED_SMS) or (device.type == "cuda" and not interpreting())
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (or of :func:`cuda_launch_plan`'s device)."""
+    if _PLANNED_SMS:
+        return _PLANNED_SMS[-1]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -52,8 +52,6 @@ Triton is imported at module level: import this module only when
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -67,7 +65,7 @@ from kvbench.kernels.cpu import note_backend
 from kvbench.kernels.cpu.parts import _correct_mix, _correct_scores
 from kvbench.kernels.decode_attention import _unpack_tile
 from kvbench.kernels.quant_pack import _load_f32
-from kvbench.kernels.runtime import interpreting
+from kvbench.kernels.runtime import plans_for_cuda, sm_count
 from kvbench.quant.packing import chunk_layout
 
 # Query rows from which tl.dot is used (its GPU tiles need M >= 16); fewer rows take tl.sum.
@@ -319,11 +317,6 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _bcast_strides(x: torch.Tensor, sizes: tuple[int, ...]) -> list[int]:
     """Strides of ``x`` over the leading axes ``sizes`` with 0 where ``x`` has size 1 (broadcast)."""
     return [x.stride(i) if x.shape[i] != 1 or n == 1 else 0 for i, n in enumerate(sizes)]
@@ -407,18 +400,22 @@ class _Plan:
         self.block_m = min(_pow2(rows), MAX_BLOCK_M)
         self.use_dot = self.block_m >= DOT_ROWS and self.block_d >= 16
         self.row_tiles = -(-rows // self.block_m)
-        on_gpu = device.type == "cuda" and not interpreting()
+        self.num_warps = 4
+        on_gpu = plans_for_cuda(device)
         if not on_gpu:
             self.block_n = max(16, min(INTERPRETER_BLOCK_N, _pow2(tokens)))
             splits = max(1, min(INTERPRETER_SPLITS, -(-tokens // self.block_n)))
         else:
             if self.use_dot:
-                self.block_n = 64
+                # [64, 64] x [64, 128] tiles with 4 warps spill (3.6: up to 8.8 KB per thread, 64 KB of
+                # shared memory); 32 tokens a block with 8 warps take 80-156 registers, no spill, 32-48 KB
+                # (kvbench.kernels.compile_check, sm_90 and sm_80, triton 3.6 and 3.9)
+                self.block_n = 64 if self.block_d <= 64 else 32
+                self.num_warps = 4 if self.block_d <= 64 else 8
             else:
                 fit = GPU_SUM_TILE // (self.block_m * self.block_d)
                 self.block_n = max(8, min(64, 1 << max(fit, 1).bit_length() - 1))
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            wanted = -(-2 * _sm_count(index) // (heads * self.row_tiles))
+            wanted = -(-2 * sm_count(device) // (heads * self.row_tiles))
             splits = max(1, min(wanted, -(-tokens // self.block_n)))
         blocks = -(-tokens // self.block_n)
         self.split_len = -(-blocks // splits) * self.block_n
@@ -457,6 +454,7 @@ def _launch(part: TokenSource, x: torch.Tensor, mix: bool) -> torch.Tensor:
         x, x.stride(0), x.stride(1), x.stride(2), out, *args, *rope_args, t, m, plan.split_len,
         H_KV=h, D=d, MIX=mix, HAS_ROPE=rope is not None, USE_DOT=plan.use_dot,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, **consts,
+        num_warps=plan.num_warps,
     )  # fmt: skip
     if mix:
         return out.sum(dim=1).view(b, h, m, d)

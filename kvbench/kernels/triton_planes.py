@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench.kernels.runtime import interpreting, require_triton
+from kvbench.kernels.runtime import interpreting, planning_cuda, require_triton
 
 __all__ = ["TritonPlanes", "triton_planes"]
 
@@ -291,7 +291,7 @@ def _check(where: str, *xs: torch.Tensor) -> None:
     device = xs[0].device
     if any(x.device != device for x in xs):
         raise ValueError(f"{where}: tensors on different devices: {[str(x.device) for x in xs]}")
-    if device.type != "cuda" and not interpreting():
+    if device.type != "cuda" and not interpreting() and not planning_cuda():
         raise ValueError(f"{where}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {device}")
 
 
