@@ -23,9 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench.kernels.runtime import plans_for_cuda, sm_count
+from kvbench.kernels.runtime import interpreter_numpy_compat, plans_for_cuda, sm_count
 from kvbench.quant.attention_ref import PackedKV
 from kvbench.quant.packing import chunk_layout
+
+interpreter_numpy_compat()  # triton < 3.7's interpreter under numpy >= 2.4
 
 __all__ = ["PackedKV", "fused_decode_attention"]
 

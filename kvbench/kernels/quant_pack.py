@@ -35,9 +35,11 @@ import triton
 import triton.language as tl
 
 from kvbench.errors import ConfigError
-from kvbench.kernels.runtime import interpreting, planning_cuda, require_triton
+from kvbench.kernels.runtime import interpreter_numpy_compat, interpreting, planning_cuda, require_triton
 from kvbench.quant.levels import check_levels
 from kvbench.quant.packing import chunk_layout, packed_length
+
+interpreter_numpy_compat()  # triton < 3.7's interpreter under numpy >= 2.4
 
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # How the params kernel rounds scale/zero to their storage dtype (see _round_param).

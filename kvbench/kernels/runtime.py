@@ -89,3 +89,29 @@ def sm_count(device: torch.device) -> int:
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def interpreter_numpy_compat() -> None:
+    """Let Triton's interpreter of triton < 3.7 run under numpy >= 2.4 (called at import by every
+    kernel module; does nothing outside the interpreter, and once).
+
+    Those interpreters turn a scalar tensor into a Python int with ``int(data)`` where ``data`` is a
+    one-element numpy array of shape ``(1,)``; numpy 2.4 made that a TypeError ("only 0-dimensional
+    arrays can be converted to Python scalars"), so every kernel that loops over ``range(<int
+    argument>)`` failed. Later interpreters take ``int(data.squeeze())``, which this installs.
+    """
+    if not interpreting():
+        return
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "kvbench_numpy_compat", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        # the scope restores attributes in reverse order, so this one goes first on restore
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.kvbench_numpy_compat = True
+    interpreter._patch_lang_tensor = patched

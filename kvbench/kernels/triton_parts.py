@@ -65,8 +65,10 @@ from kvbench.kernels.cpu import note_backend
 from kvbench.kernels.cpu.parts import _correct_mix, _correct_scores
 from kvbench.kernels.decode_attention import _unpack_tile
 from kvbench.kernels.quant_pack import _load_f32
-from kvbench.kernels.runtime import plans_for_cuda, sm_count
+from kvbench.kernels.runtime import interpreter_numpy_compat, plans_for_cuda, sm_count
 from kvbench.quant.packing import chunk_layout
+
+interpreter_numpy_compat()  # triton < 3.7's interpreter under numpy >= 2.4
 
 # Query rows from which tl.dot is used (its GPU tiles need M >= 16); fewer rows take tl.sum.
 DOT_ROWS = 16

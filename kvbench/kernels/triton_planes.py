@@ -54,7 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench.kernels.runtime import interpreting, planning_cuda, require_triton
+from kvbench.kernels.runtime import interpreter_numpy_compat, interpreting, planning_cuda, require_triton
+
+interpreter_numpy_compat()  # triton < 3.7's interpreter under numpy >= 2.4
 
 __all__ = ["TritonPlanes", "triton_planes"]
 
