@@ -25,9 +25,14 @@ measured is a row with its status (``error: ...``, ``skipped: ...``), never a mi
    once as a CUDA graph and replayed (``graph``; ``static`` where it runs eagerly, the dry mode),
    timed against the method's own eager step (``vs_eager``).
 
-Decode rows reached after ``--budget-s`` seconds of the check are written as skipped, and every
-CSV is rewritten after each row, so a run stopped by the shell's timeout keeps what it measured. The
-exit status is 0 only when every row is ``ok``.
+Sections run by value (parity, decode, bandwidth), each within its own budget (``--section-s``,
+:data:`SECTION_S` on a GPU) and the whole check's (``--budget-s``): rows reached later are written as
+skipped, and every CSV is rewritten after each row, so a run stopped by the shell's timeout keeps what
+it measured. The CSVs go to ``$OUT/gpu_check`` when ``OUT`` is set (the lent machine returns only
+``$OUT``), else ``benchmarks/``. The model of the decode section must pass kvbench's cache-reach
+probe (:func:`kvbench.cache.reach.check_cache_reached`): under a transformers that drops ``cache=``
+the section stops with that one line instead of timing a cache nothing reads. The exit status is 0
+only when every row is ``ok``.
 
 ``--dry`` runs the same code on the CPU under ``TRITON_INTERPRET=1`` at tiny sizes (a few hundred
 tokens, a 1-layer tiny Llama, a few methods), so the tests can run it in seconds; its numbers are
@@ -41,6 +46,12 @@ from __future__ import annotations
 
 import os
 import sys
+
+# Run as a script, this folder is on sys.path, not the repository: put it first so that kvbench
+# imports from this checkout (the lent machine has no installed kvbench).
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
 
 # The interpreter is chosen when a kernel is decorated: decide before anything imports triton.
 DRY = "--dry" in sys.argv[1:] or os.environ.get("KVBENCH_GPU_CHECK_DRY", "") not in ("", "0")
@@ -113,9 +124,13 @@ class Sizes:
     warmup: int
 
 
+# Every level count is its own compiled specialization of each kernel (a cold compile takes ~1-5 s
+# each, single-threaded): the full check keeps the formats the methods store (2 = 1-bit and SpeCache,
+# 3 = a base-L word, 4 = KIVI's 2-bit, 16 = 4-bit), not every level count the kernels accept (the
+# CPU tests cover those under the interpreter).
 FULL = Sizes(
-    quant_levels=(2, 3, 4, 5, 8, 16, 64, 256),
-    attn_levels=(2, 3, 4, 8, 16),
+    quant_levels=(2, 3, 4, 16),
+    attn_levels=(4, 16),
     head_dims=(64, 128),
     parity_tokens=512,
     bw_contexts=(8192, 32768),
@@ -151,6 +166,9 @@ DRY_SIZES = Sizes(
 )
 GROUP = 32
 RESIDUAL = 128
+# Seconds each section may take on a GPU (cold Triton compiles included); the shell gives the whole
+# check 360 s. Rows reached later are written as skipped, so the CSVs say what was not measured.
+SECTION_S = {"parity": 100.0, "decode": 170.0, "bandwidth": 70.0}
 ATTN_REL_TOL = 1e-4
 
 
@@ -176,6 +194,15 @@ class Section:
     columns: list[str]
     rows: list[dict] = field(default_factory=list)
     path: Path | None = None
+
+    deadline: float = float("inf")  # time.monotonic() after which rows are written as skipped
+    budget_s: float = 0.0
+
+    def expired(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def skip_note(self) -> str:
+        return f"skipped: this section's {self.budget_s:.0f} s (--budget-s, --section-s) were spent"
 
     def add(self, row: dict, line: str) -> None:
         missing = [c for c in self.columns if c not in row]
@@ -247,73 +274,79 @@ def parity(sizes: Sizes, device: torch.device, section: Section) -> None:
             f"err={err if err is None else f'{err:.3g}'} {status}",
         )
 
-    for d in sizes.head_dims:
-        for axis in ("token", "channel"):
-            # SpeCache's 1-bit store has its own zero point
-            for levels, zp in [*((n, "minmax") for n in sizes.quant_levels), (2, "specache")]:
-                try:
-                    x = torch.randn(2, 2, t, d, generator=gen, device=device).half()
-                    packed, scale, zero = quantize_pack(x, levels, axis, GROUP, zp)
-                    codes, rs, rz = quantize_grouped(x, levels, axis, GROUP, zp)
-                    ref_packed = pack(codes, levels)
-                    same = (
-                        torch.equal(packed, ref_packed) and torch.equal(scale, rs) and torch.equal(zero, rz)
-                    )
-                    out = unpack_dequantize(packed, scale, zero, levels, axis, GROUP, d)
-                    ref = dequantize_grouped(unpack(ref_packed, levels, d), rs, rz, axis, GROUP)
-                    err = (out - ref).abs().max().item()
-                    note = "" if same else "FAIL: packed bytes/scale/zero differ from the reference"
-                    record(
-                        "quantize_pack+unpack", levels, axis, zp, d, t, err, 0.0, same and err == 0.0, note
-                    )
-                except Exception as exc:  # noqa: BLE001 - every failure is a row
-                    record(
-                        "quantize_pack+unpack",
-                        levels,
-                        axis,
-                        zp,
-                        d,
-                        t,
-                        None,
-                        0.0,
-                        False,
-                        f"error: {one_line(exc)}",
-                    )
+    def quant_case(d: int, axis: str, levels: int, zp: str) -> None:
+        try:
+            x = torch.randn(2, 2, t, d, generator=gen, device=device).half()
+            packed, scale, zero = quantize_pack(x, levels, axis, GROUP, zp)
+            codes, rs, rz = quantize_grouped(x, levels, axis, GROUP, zp)
+            ref_packed = pack(codes, levels)
+            same = torch.equal(packed, ref_packed) and torch.equal(scale, rs) and torch.equal(zero, rz)
+            out = unpack_dequantize(packed, scale, zero, levels, axis, GROUP, d)
+            ref = dequantize_grouped(unpack(ref_packed, levels, d), rs, rz, axis, GROUP)
+            err = (out - ref).abs().max().item()
+            note = "" if same else "FAIL: packed bytes/scale/zero differ from the reference"
+            record("quantize_pack+unpack", levels, axis, zp, d, t, err, 0.0, same and err == 0.0, note)
+        except Exception as exc:  # noqa: BLE001 - every failure is a row
+            record(
+                "quantize_pack+unpack",
+                levels,
+                axis,
+                zp,
+                d,
+                t,
+                None,
+                0.0,
+                False,
+                f"error: {one_line(exc)}",
+            )
 
-        for levels in sizes.attn_levels:
-            try:
-                b, h_kv, gqa, n0 = 2, 2, 4, t + 40
-                tq = t  # quantized tokens (multiple of the group); the rest is the fp16 residual
-                q = torch.randn(b, h_kv * gqa, 1, d, generator=gen, device=device)
-                spread = 0.5 + torch.randn(d, generator=gen, device=device).abs()
-                keys = torch.randn(b, h_kv, n0, d, generator=gen, device=device) * spread
-                values = torch.randn(b, h_kv, n0, d, generator=gen, device=device) + 0.3
-                kq = PackedKV(
-                    *quantize_pack(keys[:, :, :tq], levels, "channel", GROUP), levels, GROUP, "channel"
-                )
-                vq = PackedKV(
-                    *quantize_pack(values[:, :, :tq], levels, "token", GROUP), levels, GROUP, "token"
-                )
-                k_res, v_res = keys[:, :, tq:].half(), values[:, :, tq:].half()
-                out = fused_decode_attention(q, kq, vq, d**-0.5, k_res, v_res)
-                ref = decode_attention_reference(q, [kq, k_res], [vq, v_res], d**-0.5)
-                err = (out - ref).abs().max().item()
-                tol = ATTN_REL_TOL * ref.abs().max().item()
-                ok = bool(torch.isfinite(out).all()) and err <= tol
-                record("fused_decode_attention", levels, "kivi", "minmax", d, n0, err, f"{tol:.3g}", ok)
-            except Exception as exc:  # noqa: BLE001
-                record(
-                    "fused_decode_attention",
-                    levels,
-                    "kivi",
-                    "minmax",
-                    d,
-                    t + 40,
-                    None,
-                    "",
-                    False,
-                    f"error: {one_line(exc)}",
-                )
+    def attn_case(d: int, levels: int) -> None:
+        try:
+            b, h_kv, gqa, n0 = 2, 2, 4, t + 40
+            tq = t  # quantized tokens (multiple of the group); the rest is the fp16 residual
+            q = torch.randn(b, h_kv * gqa, 1, d, generator=gen, device=device)
+            spread = 0.5 + torch.randn(d, generator=gen, device=device).abs()
+            keys = torch.randn(b, h_kv, n0, d, generator=gen, device=device) * spread
+            values = torch.randn(b, h_kv, n0, d, generator=gen, device=device) + 0.3
+            kq = PackedKV(*quantize_pack(keys[:, :, :tq], levels, "channel", GROUP), levels, GROUP, "channel")
+            vq = PackedKV(*quantize_pack(values[:, :, :tq], levels, "token", GROUP), levels, GROUP, "token")
+            k_res, v_res = keys[:, :, tq:].half(), values[:, :, tq:].half()
+            out = fused_decode_attention(q, kq, vq, d**-0.5, k_res, v_res)
+            ref = decode_attention_reference(q, [kq, k_res], [vq, v_res], d**-0.5)
+            err = (out - ref).abs().max().item()
+            tol = ATTN_REL_TOL * ref.abs().max().item()
+            ok = bool(torch.isfinite(out).all()) and err <= tol
+            record("fused_decode_attention", levels, "kivi", "minmax", d, n0, err, f"{tol:.3g}", ok)
+        except Exception as exc:  # noqa: BLE001
+            record(
+                "fused_decode_attention",
+                levels,
+                "kivi",
+                "minmax",
+                d,
+                t + 40,
+                None,
+                "",
+                False,
+                f"error: {one_line(exc)}",
+            )
+
+    # by value: the fused decode attention first (what every decode step of KIVI runs), head_dim 128
+    # (Llama-8B-class models) before 64; the rows reached after the section's budget are skipped
+    dims = sorted(sizes.head_dims, reverse=True)
+    cases = [("attn", d, "kivi", levels, "minmax") for d in dims for levels in sizes.attn_levels]
+    # SpeCache's 1-bit store has its own zero point
+    formats = [*((n, "minmax") for n in sizes.quant_levels), (2, "specache")]
+    cases += [("quant", d, axis, lv, zp) for d in dims for axis in ("token", "channel") for lv, zp in formats]
+    for what, d, axis, levels, zp in cases:
+        kernel = "fused_decode_attention" if what == "attn" else "quantize_pack+unpack"
+        if section.expired():
+            tokens = t + 40 if what == "attn" else t
+            record(kernel, levels, axis, zp, d, tokens, None, "", False, section.skip_note())
+        elif what == "attn":
+            attn_case(d, levels)
+        else:
+            quant_case(d, axis, levels, zp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,6 +429,10 @@ def bandwidth(sizes: Sizes, device: torch.device, section: Section) -> None:
                     levels=levels, context=context, batch=batch, heads=h, kv_heads=h_kv, head_dim=d,
                     device=device.type,
                 )  # fmt: skip
+                if section.expired():
+                    for kernel in ("fused_decode_attention", "unpack_dequantize"):
+                        _bandwidth_row(section, kernel, base, section.skip_note())
+                    continue
                 try:
                     cases = kernel_cases(
                         bench, kivi_cache(sizes, levels, context, batch, device, gen), levels, d
@@ -438,8 +475,12 @@ def bandwidth(sizes: Sizes, device: torch.device, section: Section) -> None:
 
 
 def _bandwidth_error(section: Section, kernel: str, base: dict, exc: BaseException) -> None:
+    _bandwidth_row(section, kernel, base, f"error: {one_line(exc)}")
+
+
+def _bandwidth_row(section: Section, kernel: str, base: dict, status: str) -> None:
     blank = dict.fromkeys(("bytes", "us", "GBps", "copy_us", "copy_GBps", "copy_share", "timing"), "")
-    row = dict(kernel=kernel, **base, **blank, status=f"error: {one_line(exc)}")
+    row = dict(kernel=kernel, **base, **blank, status=status)
     section.add(row, f"{kernel:24s} L={base['levels']} N={base['context']} B={base['batch']} {row['status']}")
 
 
@@ -506,6 +547,7 @@ def build_model(sizes: Sizes, device: torch.device, count_ops):
 
     from kvbench.builder import LoadedModel
     from kvbench.cache import use_kvbench_attention
+    from kvbench.cache.reach import check_cache_reached
     from kvbench.models.shape import shape_of_config
 
     torch.manual_seed(0)
@@ -515,11 +557,13 @@ def build_model(sizes: Sizes, device: torch.device, count_ops):
     model = model.to(device)
     use_kvbench_attention(model)
     model.generation_config.eos_token_id = None
+    shape = shape_of_config(config)
+    check_cache_reached(model, shape.num_layers)  # refuse a transformers that drops cache=
     return LoadedModel(
         config=None,
         model=model,
         tokenizer=count_ops.StubTokenizer(),
-        shape=shape_of_config(config),
+        shape=shape,
         load_s=0.0,
     )
 
@@ -594,8 +638,8 @@ def static_step_of(runner, prompt, steps: int, device: torch.device, count_ops):
     return StaticStep(forward, cache, n, device, capture=device.type == "cuda")
 
 
-def decode(sizes: Sizes, device: torch.device, section: Section, deadline: float, budget_s: float) -> None:
-    """Rows reached after ``deadline`` (``time.monotonic()``) are written as skipped. A method with
+def decode(sizes: Sizes, device: torch.device, section: Section) -> None:
+    """Rows reached after the section's deadline are written as skipped. A method with
     a static decode step gets a second row, that step (a replayed CUDA graph on CUDA), with its
     time against the method's own eager step (``vs_eager``)."""
     from transformers import DynamicCache
@@ -649,8 +693,8 @@ def decode(sizes: Sizes, device: torch.device, section: Section, deadline: float
                 steps=sizes.timed_steps,
                 status="ok",
             )
-            if time.monotonic() > deadline:
-                row["status"] = f"skipped: the check's budget of {budget_s:.0f} s (--budget-s) was spent"
+            if section.expired():
+                row["status"] = section.skip_note()
                 add(row)
                 continue
             cache = runner = None
@@ -738,14 +782,30 @@ def parse_args(argv):
         action="store_true",
         help="CPU, TRITON_INTERPRET=1, tiny sizes (also KVBENCH_GPU_CHECK_DRY=1)",
     )
-    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks")
-    p.add_argument("--sections", nargs="+", default=["parity", "bandwidth", "decode"])
+    # only files under $OUT come back from the lent machine
+    out = os.environ.get("OUT")
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path(out) / "gpu_check" if out else ROOT / "benchmarks",
+        help="where the CSVs go (default: $OUT/gpu_check when OUT is set, else benchmarks/)",
+    )
+    # by value: kernel correctness, then what a decode step costs per method, then kernel bandwidth
+    p.add_argument("--sections", nargs="+", default=["parity", "decode", "bandwidth"])
     p.add_argument("--only", nargs="+", help="methods for the decode section (default: every registered one)")
     p.add_argument(
         "--budget-s",
         type=float,
         default=300.0,
-        help="seconds; decode rows reached later are written as skipped",
+        help="seconds for the whole check; rows reached later are written as skipped",
+    )
+    p.add_argument(
+        "--section-s",
+        nargs="+",
+        default=[],
+        metavar="SECTION=SECONDS",
+        help=f"a section's own budget (default {' '.join(f'{k}={v}' for k, v in SECTION_S.items())} "
+        "on a GPU, none in --dry)",
     )
     return p.parse_args(argv)
 
@@ -788,17 +848,30 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "parity": (Section("parity", PARITY_COLUMNS), parity),
         "bandwidth": (Section("bandwidth", BANDWIDTH_COLUMNS), bandwidth),
-        "decode": (
-            Section("decode", DECODE_COLUMNS),
-            lambda s, d, sec: decode(s, d, sec, started + args.budget_s, args.budget_s),
-        ),
+        "decode": (Section("decode", DECODE_COLUMNS), decode),
     }
+    caps = {} if dry else dict(SECTION_S)
+    for item in args.section_s:
+        name, _, seconds = item.partition("=")
+        try:
+            if name not in sections:
+                raise ValueError
+            caps[name] = float(seconds)
+        except ValueError:
+            print(
+                f"gpu_check: --section-s {item!r} is not SECTION=SECONDS with SECTION one of "
+                "parity, bandwidth, decode",
+                file=sys.stderr,
+            )
+            return 2
     summary = []
     for name in args.sections:
         section, run = sections[name]
         section.path = args.out_dir / f"gpu_{name}.csv"
         section.write()
         t0 = time.monotonic()
+        section.deadline = min(started + args.budget_s, t0 + caps.get(name, float("inf")))
+        section.budget_s = section.deadline - t0
         crashed = None
         try:
             run(sizes, device, section)

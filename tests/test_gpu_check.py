@@ -192,3 +192,27 @@ def test_rows_past_the_budget_are_written_as_skipped_and_fail_the_run(tmp_path):
     assert all(r["status"].startswith("skipped: ") and r["step_ms"] == "" for r in rows), rows
     assert "3 skipped" in proc.stdout
     assert proc.stdout.count("[decode] ") == 3
+
+
+def test_results_and_logs_go_under_OUT_when_it_is_set(tmp_path):
+    """Only files under $OUT come back from the lent machine: the CSVs, the check's log and the
+    summary go to $OUT/gpu_check without --out-dir; a section's own budget skips its rows."""
+    env = {**os.environ, "PYTHON": sys.executable, "KVBENCH_CPU_KERNELS": "0", "OUT": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--dry", "--sections", "parity", "--section-s", "parity=0"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = tmp_path / "gpu_check"
+    assert proc.returncode != 0  # skipped rows are not a pass
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "gpu_parity.csv", "summary.txt"]
+    _, rows = read(out / "gpu_parity.csv")
+    assert len(rows) == 7 and all(r["status"].startswith("skipped: ") for r in rows), rows
+    # by value: the fused decode attention row comes first
+    assert rows[0]["kernel"] == "fused_decode_attention"
+    assert "gpu_check.py: FAILED" in (out / "summary.txt").read_text()
+    assert "7 skipped" in (out / "gpu_check.log").read_text()
