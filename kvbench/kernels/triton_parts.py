@@ -409,11 +409,12 @@ class _Plan:
             splits = max(1, min(INTERPRETER_SPLITS, -(-tokens // self.block_n)))
         else:
             if self.use_dot:
-                # [64, 64] x [64, 128] tiles with 4 warps spill (3.6: up to 8.8 KB per thread, 64 KB of
-                # shared memory); 32 tokens a block with 8 warps take 80-156 registers, no spill, 32-48 KB
-                # (kvbench.kernels.compile_check, sm_90 and sm_80, triton 3.6 and 3.9)
-                self.block_n = 64 if self.block_d <= 64 else 32
-                self.num_warps = 4 if self.block_d <= 64 else 8
+                # 64-token blocks with 4 warps spill at head_dim 128 (3.6: up to 8.8 KB per thread, 64 KB
+                # of shared memory) and at 64 (3.9: 136-816 B); 32 tokens a block with 8 warps take
+                # 80-156 registers and spill nothing, but for an 8-byte stack frame at head_dim 64 with
+                # 3 levels on sm_90 (kvbench.kernels.compile_check; 4 warps spill 104-128 B at 64)
+                self.block_n = 32
+                self.num_warps = 8
             else:
                 fit = GPU_SUM_TILE // (self.block_m * self.block_d)
                 self.block_n = max(8, min(64, 1 << max(fit, 1).bit_length() - 1))
