@@ -90,6 +90,35 @@ def load_for_methods(model: ModelConfig | dict[str, Any] | str, device: str = "a
     return LoadedModel(cfg, loaded, tokenizer, shape, load_s)
 
 
+# The model the last run of this process loaded, for the next run of the same model (see load_kept).
+_KEPT: dict[str, LoadedModel] = {}
+
+
+def load_kept(model: ModelConfig | dict[str, Any] | str, device: str = "auto") -> tuple[LoadedModel, bool]:
+    """:func:`load_for_methods`, keeping the model for the next call with the same model: the runs
+    of a sweep in one process (a Hydra multirun on the basic launcher, a node of
+    ``kvbench.reproduce``) load the model once. Returns ``(loaded, reused)``.
+
+    One model is kept at a time (a sweep over models holds one in memory, not all). The key is
+    everything that decides the weights: the model config, the device and kvbench's cache folder
+    (where a GGUF is converted). Reuse changes nothing a run computes: the model is in eval mode and
+    its weights are never written; what a method attaches to it (forward hooks) it detaches at the
+    end of its run (:meth:`kvbench.methods.Method.release`)."""
+    from dataclasses import asdict
+
+    from kvbench import paths
+    from kvbench.results import canonical_json
+
+    cfg = model_config(model)
+    key = canonical_json([asdict(cfg), resolve_device(device), str(paths.cache_dir())])
+    if key in _KEPT:
+        return _KEPT[key], True
+    _KEPT.clear()  # the previous model goes before the next one loads
+    loaded = load_for_methods(cfg, device)
+    _KEPT[key] = loaded
+    return loaded, False
+
+
 def build_runner(
     model: ModelConfig | dict[str, Any] | str,
     method: Method | dict[str, Any] | None = None,

@@ -27,7 +27,7 @@ import torch
 
 from kvbench.cache import KVBenchCache, MemoryReport, memory_report
 from kvbench.cache.batch import SequenceBatchCache, sequence_caches
-from kvbench.cache.prefill import SHARED_PREFILLS, record_prefill, replay_prefill
+from kvbench.cache.prefill import SHARED_PREFILLS, record_prefill, replay_prefill, token_digest
 from kvbench.cache.sliding import with_window_layers
 from kvbench.cache.static import StaticStep, note_decode_step
 from kvbench.methods import Method, ModelShape
@@ -55,6 +55,9 @@ class Generation:
 # from 16 rows on the last row is bit-identical to the whole prompt's (tests/test_generation.py
 # checks it), and the other positions' projections, 15-40 % of a 0.3-2K-token prefill, are skipped.
 PREFILL_LOGIT_ROWS = 16
+
+# How a batch of prompts is prefilled (see ModelRunner.generate_batch).
+PREFILL_MODES = ("alone", "batch")
 
 # How the first continuation token is predicted (see ModelRunner.score).
 SCORE_FIRST = ("prefill", "cache")
@@ -123,7 +126,8 @@ class ModelRunner:
         )
         if not share:
             return self.forward(input_ids, cache, logits_to_keep=rows)
-        record = store.get(self.model, input_ids, rows)
+        key = ("prefill", token_digest(input_ids), rows)
+        record = store.get(self.model, key)
         if record is not None:
             replay_prefill(cache, record)
             logits = record.logits.clone()
@@ -133,7 +137,7 @@ class ModelRunner:
             logits = self.forward(input_ids, cache, logits_to_keep=rows)
         record = recorder.finish(logits)
         if record is not None:
-            store.put(self.model, input_ids, rows, record)
+            store.put(self.model, key, record)
         return logits
 
     @torch.no_grad()
@@ -288,6 +292,7 @@ class ModelRunner:
         min_new_tokens: int = 0,
         pad_token_id: int | None = None,
         keep_logits: bool = False,
+        prefill: str = "alone",
     ) -> list[Generation]:
         """:meth:`generate` for several prompts at once (each ``[1, T_i]`` or ``[T_i]``, lengths may
         differ): one :class:`Generation` per prompt, in order, each equal to that prompt's
@@ -302,16 +307,30 @@ class ModelRunner:
         for the batch (every sequence plans the same ``max_new_tokens - 1`` stored tokens, as alone),
         :meth:`Method.end_request` once per sequence with its own cache. ``keep_logits``:
         ``extra["logits"]`` is the float32 ``[steps, vocab]`` of the logits that chose each token
-        (the stop token's included), before the ``min_new_tokens`` rule."""
+        (the stop token's included), before the ``min_new_tokens`` rule.
+
+        ``prefill``: ``alone`` (the default) prefills each prompt on its own (:meth:`prefill`: the
+        batch-1 forward, shared across methods where declared) and joins the caches for the decode
+        steps (:meth:`prefill_alone`), so each sequence's prefill and first token are its batch-1
+        run's bit for bit and only the decode steps are batched; ``batch`` prefills the left-padded
+        prompts in one forward (one weight read for all prompts, each row's arithmetic that of a
+        padded batch)."""
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill={prefill!r}: one of {', '.join(PREFILL_MODES)}")
         stops = self.eos_ids | set(stop_token_ids)
-        input_ids, mask = self.pad_batch(prompts, pad_token_id)
-        batch = input_ids.shape[0]
         self.method.new_request(max_new_tokens - 1)
-        cache = self.new_batch_cache(batch)
-        cache.set_padding(mask)
         t0 = time.perf_counter()
-        logits = self.forward(input_ids, cache)[:, -1]
+        if prefill == "alone":
+            cache, logits, lengths = self.prefill_alone(prompts)
+            padded = max(lengths)
+        else:
+            input_ids, mask = self.pad_batch(prompts, pad_token_id)
+            cache = self.new_batch_cache(input_ids.shape[0])
+            cache.set_padding(mask)
+            logits = self.forward(input_ids, cache)[:, -1]
+            lengths, padded = mask.sum(dim=1).tolist(), input_ids.shape[1]
         prefill_s = time.perf_counter() - t0
+        batch = len(lengths)
         tokens: list[list[int]] = [[] for _ in range(batch)]
         kept: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         stopped = [False] * batch
@@ -356,13 +375,89 @@ class ModelRunner:
             sub = cache.sequences[s]
             memory = memory_report(sub.layers)
             self.method.end_request(sub)
-            extra = {"batch_path": cache.path, "batch_size": batch, "padded_length": input_ids.shape[1]}
+            extra = {"batch_path": cache.path, "batch_size": batch, "padded_length": padded}
             if keep_logits:
                 extra["logits"] = torch.stack(kept[s]) if kept[s] else torch.empty(0)
-            prompt_tokens = int(mask[s].sum())
+            prompt_tokens = int(lengths[s])
             out.append(
                 Generation(text, tokens[s], prompt_tokens, stopped[s], memory, prefill_s, decode_s, extra)
             )
+        return out
+
+    @torch.no_grad()
+    def prefill_alone(
+        self, prompts: list[torch.Tensor]
+    ) -> tuple[SequenceBatchCache, torch.Tensor, list[int]]:
+        """Each prompt (``[1, T_i]`` or ``[T_i]``, ``T_i >= 1``) prefilled on its own into its own
+        cache of the method (:meth:`prefill`), the caches joined into one
+        :class:`~kvbench.cache.batch.SequenceBatchCache` for batched decode steps
+        (:meth:`SequenceBatchCache.adopt_prefilled`). Returns ``(cache, logits [B, vocab] of each
+        prompt's last position, prompt lengths)``. :meth:`Method.new_request` is the caller's."""
+        rows = [torch.as_tensor(p).reshape(1, -1) for p in prompts]
+        if not rows or any(r.shape[1] == 0 for r in rows):
+            raise ValueError("a batch takes one or more prompts of at least one token each")
+        cache = self.new_batch_cache(len(rows))  # every sequence's cache first, as a batch makes them
+        logits = []
+        for row, sub in zip(rows, cache.sequences, strict=True):
+            logits.append(self.prefill(row, sub)[0, -1])
+            self.method.prefilled_alone(sub)
+        lengths = [r.shape[1] for r in rows]
+        cache.adopt_prefilled(lengths)
+        return cache, torch.stack(logits), lengths
+
+    @torch.no_grad()
+    def score_batch(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk: int = 1, first: str = "prefill"
+    ) -> list[Scored]:
+        """:meth:`score` of several ``(context_ids [1, C], continuation_ids [1, N])`` pairs at once,
+        every continuation of the same length N: each context prefilled alone
+        (:meth:`prefill_alone`), then the continuations fed ``chunk`` tokens per forward as rows of
+        one batch, each row through its own cache of the method. Each pair's scores equal its
+        :meth:`score` alone up to the rounding of batched matrix products
+        (tests/test_batched_decode.py); its ``seconds`` is the batch's time over the pairs."""
+        if first not in SCORE_FIRST:
+            raise ValueError(f"first={first!r}: one of {', '.join(SCORE_FIRST)}")
+        lengths = {c.shape[1] for _, c in pairs}
+        if not pairs or len(lengths) != 1:
+            raise ValueError(
+                f"score_batch takes pairs whose continuations have one length, got {sorted(lengths)}"
+            )
+        n = lengths.pop()
+        need = 1 if first == "prefill" else 2
+        if any(ctx.shape[1] < need for ctx, _ in pairs):
+            raise ValueError(f"scoring with first={first!r} in a batch needs at least {need} context tokens")
+        t0 = time.perf_counter()
+        self.method.new_request(n)
+        if first == "prefill":
+            stored = [ctx for ctx, _ in pairs]
+            fed = torch.cat([cont for _, cont in pairs])
+        else:
+            stored = [ctx[:, :-1] for ctx, _ in pairs]
+            fed = torch.cat([torch.cat([ctx[:, -1:], cont[:, :-1]], dim=1) for ctx, cont in pairs])
+        targets = torch.cat([cont for _, cont in pairs])  # [B, N]
+        cache, last, _ = self.prefill_alone(stored)
+        pending = last[:, None]  # [B, 1, vocab]: the logits predicting the next piece's first token
+        nll = torch.empty(len(pairs), n)
+        greedy = torch.ones(len(pairs), dtype=torch.bool)
+        for start in range(0, n, chunk):
+            piece = fed[:, start : start + chunk]
+            target = targets[:, start : start + piece.shape[1]]
+            logits = self.decode_step(piece, cache) if piece.shape[1] == 1 else self.forward(piece, cache)
+            if first == "prefill":
+                step_logits = torch.cat([pending, logits], dim=1)
+                pending = step_logits[:, -1:]
+                logits = step_logits[:, :-1]
+            logp = torch.log_softmax(logits, dim=-1)  # [B, c, vocab]
+            target = target.to(logp.device)
+            nll[:, start : start + piece.shape[1]] = -logp.gather(-1, target[..., None])[..., 0].cpu()
+            greedy &= (logp.argmax(-1) == target).all(dim=-1).cpu()
+        seconds = (time.perf_counter() - t0) / len(pairs)
+        out = []
+        for i, sub in enumerate(cache.sequences):
+            memory = memory_report(sub.layers)
+            self.method.end_request(sub)
+            out.append(Scored(nll[i].tolist(), memory, seconds, bool(greedy[i])))
+        note_decode_step("eager")
         return out
 
     @torch.no_grad()

@@ -284,24 +284,32 @@ def _execute_in(folder: RunFolder, plan: RunPlan, progress: bool) -> dict[str, A
 
         for message in spec.warnings.values():
             warn(message)
+        from kvbench.builder import load_kept
+
+        # a sweep's runs in one process share the model (and, through it, each prompt's prefill:
+        # kvbench.cache.prefill)
+        loaded, reused = load_kept(model_cfg, run_cfg.torch_device())
+        # seeded after the load, so that a run draws the same numbers whether it loaded the model
+        # (whose construction draws) or found it kept
         torch.manual_seed(run_cfg.seed)
-        from kvbench.builder import load_for_methods
-
-        loaded = load_for_methods(model_cfg, run_cfg.torch_device())
-        # the task's checks against the model ran in plan_run when its files were local already
-        runner = loaded.runner(method, spec.data_root, task=None if plan.model_checked else task)
-
-        t_run = time.perf_counter()
-        bar = tqdm(
-            todo, desc=f"{task.registered_name} {method.label()}", disable=not progress, file=sys.stderr
-        )
         try:
-            _run_samples(bar, done, folder, runner, spec)
+            # the task's checks against the model ran in plan_run when its files were local already
+            runner = loaded.runner(method, spec.data_root, task=None if plan.model_checked else task)
+            t_run = time.perf_counter()
+            bar = tqdm(
+                total=len(todo),
+                desc=f"{task.registered_name} {method.label()}",
+                disable=not progress,
+                file=sys.stderr,
+            )
+            _run_samples(todo, bar, done, folder, runner, spec)
         except KeyboardInterrupt as err:
             # what is on disk: the signal may land between a row's append and its entry in `done`
             stored = {row.get("sample_id") for row in folder.rows()} | set(done)
             finished_rows = sum(s["id"] in stored for s in samples)
             raise Interrupted(finished_rows, len(samples), isinstance(err, Terminated)) from None
+        finally:
+            method.release()
         # the rows in the task's order, whatever order they were appended in
         rows = [done[s["id"]] for s in samples if s["id"] in done]
         memory = memory_summary(rows)
@@ -324,7 +332,8 @@ def _execute_in(folder: RunFolder, plan: RunPlan, progress: bool) -> dict[str, A
             "sliding_windows": method.config.sliding_windows if runner.shape.sliding_layers() else "none",
             "warnings": {**spec.warnings, **measured},
             "timings": {
-                "model_load_s": loaded.load_s,
+                "model_load_s": 0.0 if reused else loaded.load_s,
+                "model_reused": reused,
                 "run_s": time.perf_counter() - t_run,
                 "samples_run": len(todo),
                 "samples_resumed": len(samples) - len(todo),
@@ -370,27 +379,36 @@ def trusted_metrics(folder: RunFolder, path: Path, task: Any, rows: list[dict[st
     return stored
 
 
-def _run_samples(bar, done, folder, runner, spec: RunSpec) -> None:
-    """Run and append each sample of ``todo`` (``done`` gains each finished row)."""
+def _run_samples(todo, bar, done, folder, runner, spec: RunSpec) -> None:
+    """Run and append each sample of ``todo`` (``done`` gains each finished row), as many at once
+    as the task decodes together (:meth:`kvbench.tasks.Task.batch_for`); every row of a batch is
+    appended as soon as the batch ends, and records the batch it ran in (``batch_size``) and its
+    share of the batch's seconds."""
     task, method = spec.task, spec.method
-    for sample in bar:
-        t_sample = time.perf_counter()
-        row = task.run(sample, runner)
-        memory = row.pop("memory", None)
-        row = {
-            "sample_id": sample["id"],
-            "seed": spec.seed,
-            "task": task.registered_name,
-            "model": spec.model.name,
-            "method": method.label(),
-            "bits": method.config.bits,
-            **row,
-            "memory": memory.to_dict() if memory is not None else None,
-            "seconds": time.perf_counter() - t_sample,
-        }
-        folder.append(row)
-        done[sample["id"]] = row
-        bar.set_postfix({task.primary_metric: f"{row.get(task.primary_metric, float('nan')):.3g}"})
+    size = task.batch_for(runner)
+    for start in range(0, len(todo), size):
+        chunk = todo[start : start + size]
+        t_batch = time.perf_counter()
+        rows = task.run_batch(chunk, runner)
+        seconds = (time.perf_counter() - t_batch) / len(chunk)
+        for sample, row in zip(chunk, rows, strict=True):
+            memory = row.pop("memory", None)
+            row = {
+                "sample_id": sample["id"],
+                "seed": spec.seed,
+                "task": task.registered_name,
+                "model": spec.model.name,
+                "method": method.label(),
+                "bits": method.config.bits,
+                **row,
+                **({"batch_size": len(chunk)} if size > 1 else {}),
+                "memory": memory.to_dict() if memory is not None else None,
+                "seconds": seconds,
+            }
+            folder.append(row)
+            done[sample["id"]] = row
+            bar.update(1)
+            bar.set_postfix({task.primary_metric: f"{row.get(task.primary_metric, float('nan')):.3g}"})
 
 
 def summary_line(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -92,11 +92,11 @@ def runner_for(llama, node):
     return loaded(model, shape).runner(build_method(node))
 
 
-def assert_batch_equals_alone(runner, prompts, **kw):
+def assert_batch_equals_alone(runner, prompts, prefill="alone", **kw):
     """Each sequence of ``generate_batch`` against ``generate`` and the batch-1 logits; returns the
-    alone generations."""
+    alone generations. Prefilled alone, the first token's logits are the alone run's bit for bit."""
     alone = [runner.generate(p, STEPS, **kw) for p in prompts]
-    batch = runner.generate_batch(prompts, STEPS, keep_logits=True, **kw)
+    batch = runner.generate_batch(prompts, STEPS, keep_logits=True, prefill=prefill, **kw)
     assert len(batch) == len(prompts)
     for i, (p, a, b) in enumerate(zip(prompts, alone, batch, strict=True)):
         assert b.token_ids == a.token_ids, f"sequence {i}"
@@ -110,6 +110,8 @@ def assert_batch_equals_alone(runner, prompts, **kw):
         assert b.extra["logits"].shape == want.shape
         atol = LOGIT_ATOL.get(runner.method.config.name, 1e-3)
         torch.testing.assert_close(b.extra["logits"], want, rtol=1e-4, atol=atol)
+        if prefill == "alone" and len(want):
+            assert torch.equal(b.extra["logits"][0], want[0]), f"sequence {i}: prefill logits differ"
     return alone
 
 
@@ -125,10 +127,11 @@ CASES = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("prefill", ["alone", "batch"])
 @pytest.mark.parametrize(("case", "lengths"), CASES)
-def test_batch_equals_alone(llama, case, lengths):
+def test_batch_equals_alone(llama, case, lengths, prefill):
     runner = runner_for(llama, node_for(case))
-    alone = assert_batch_equals_alone(runner, prompts_of(lengths))
+    alone = assert_batch_equals_alone(runner, prompts_of(lengths), prefill=prefill)
     memory = alone[0].memory
     # every sequence stored its prompt and every decoded token but the last
     assert [g.memory.tokens for g in alone] == [n + STEPS - 1 for n in lengths]
@@ -195,3 +198,30 @@ def test_refusals(llama):
     with pytest.raises(NotImplementedError, match="sliding-window"):
         runner_for(gemma, node_for("fp16")).generate_batch(prompts_of((5, 3)), 2)
     assert not isinstance(runner.new_cache(), SequenceBatchCache)
+
+
+# the methods whose scoring takes a path of its own: plain storage, a residual window, a
+# speculative step, a metric fed by logits, an eviction
+SCORED = ["fp16", "kivi", "specache", "semkv-surprisal", "snapkv", "kvquant-pre_rope"]
+
+
+@pytest.mark.parametrize(("first", "chunk"), [("prefill", 1), ("cache", 1), ("prefill", 3)])
+@pytest.mark.parametrize("case", SCORED)
+def test_score_batch_equals_alone(llama, case, first, chunk):
+    """Each pair of ``score_batch`` scores as ``score`` alone: the same greedy flag and storage, its
+    negative log-likelihoods up to the rounding of a batched step (the first one bit for bit under
+    ``first="prefill"``: it is the prefill's)."""
+    runner = runner_for(llama, node_for(case))
+    contexts = prompts_of(RAGGED)
+    conts = [c[:, :STEPS] for c in prompts_of((20, 20, 20))]
+    alone = [runner.score(c, n, chunk=chunk, first=first) for c, n in zip(contexts, conts, strict=True)]
+    batch = runner.score_batch(list(zip(contexts, conts, strict=True)), chunk=chunk, first=first)
+    for a, b in zip(alone, batch, strict=True):
+        assert len(b.nll) == len(a.nll) == STEPS
+        assert b.memory == a.memory and b.greedy == a.greedy
+        atol = LOGIT_ATOL.get(runner.method.config.name, 1e-3)
+        torch.testing.assert_close(torch.tensor(b.nll), torch.tensor(a.nll), rtol=1e-4, atol=atol)
+        if first == "prefill":
+            assert b.nll[0] == a.nll[0]
+    with pytest.raises(ValueError, match="one length"):
+        runner.score_batch([(contexts[0], conts[0]), (contexts[1], conts[1][:, :3])])

@@ -1,6 +1,7 @@
 """Run folders: results written atomically, resume skips finished samples, run ids are stable."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,15 @@ from kvbench.tasks.niah import NIAH
 def tiny_config(root, data_root, method=None):
     cfg = {
         "model": model_node("smollm2-135m"),
-        "task": {"name": "niah", "context_lengths": [256, 320], "depths": [0, 100], "max_new_tokens": 3},
+        # one sample at a time: these tests interrupt and count samples one by one
+        # (test_batched_run_matches_one_at_a_time covers batches)
+        "task": {
+            "name": "niah",
+            "context_lengths": [256, 320],
+            "depths": [0, 100],
+            "max_new_tokens": 3,
+            "batch_size": 1,
+        },
         "seed": 0,
         "bits": 2,
         "device": "cpu",
@@ -26,6 +35,38 @@ def tiny_config(root, data_root, method=None):
     if method:
         cfg["method"] = method
     return cfg
+
+
+def test_batched_run_matches_one_at_a_time(tmp_path, data_root, monkeypatch):
+    """``task.batch_size=3`` runs the 4 samples as a batch of 3 and one of 1 (each prompt prefilled
+    alone, the decode steps batched): the same generations, scores and storage as one at a time,
+    each row recording its batch. An interrupt inside the second batch keeps the first batch's
+    rows, and the same command finishes the run."""
+    kivi = {"name": "kivi", "bits": 2, "group_size": 32, "residual": 64}
+    single = run_module.execute(tiny_config(tmp_path / "one", data_root, kivi), progress=False)
+    cfg = tiny_config(tmp_path / "batch", data_root, kivi)
+    cfg["task"]["batch_size"] = 3
+    original, calls = NIAH.run_batch, []
+
+    def dying(self, samples, runner):
+        calls.append(len(samples))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(self, samples, runner)
+
+    monkeypatch.setattr(NIAH, "run_batch", dying)
+    with pytest.raises(Interrupted, match="interrupted after 3 of 4 samples"):
+        run_module.execute(cfg, progress=False)
+    monkeypatch.setattr(NIAH, "run_batch", original)
+    batched = run_module.execute(cfg, progress=False)
+    assert calls == [3, 1] and batched["run_id"] != single["run_id"]
+    rows = {r["sample_id"]: r for r in RunFolder(Path(batched["folder"])).rows()}
+    alone = {r["sample_id"]: r for r in RunFolder(Path(single["folder"])).rows()}
+    assert sorted(rows) == sorted(alone)
+    assert sorted(r["batch_size"] for r in rows.values()) == [1, 3, 3, 3]
+    for sid, row in rows.items():
+        for key in ("prediction", "score", "generated_tokens", "stopped", "memory", "prompt_tokens"):
+            assert row[key] == alone[sid][key], (sid, key)
 
 
 def test_killed_run_resumes_without_redoing_finished_samples(tmp_path, data_root, monkeypatch):

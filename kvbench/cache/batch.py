@@ -203,6 +203,19 @@ class SequenceBatchCache(KVBenchCache):
             )
         self.pads = pads.tolist()
 
+    def adopt_prefilled(self, lengths: list[int]) -> None:
+        """Join sequences that were each prefilled alone (sequence i's cache holds ``lengths[i]``
+        tokens): every row is left-padded to the longest, as though the prefill had been one padded
+        forward, so the decode steps that follow move all rows in one column. Instead of
+        :meth:`set_padding`."""
+        if len(lengths) != len(self.sequences) or any(n < 1 for n in lengths):
+            raise ValueError(f"one prompt length >= 1 per sequence ({len(self.sequences)}), got {lengths}")
+        held = [c.get_seq_length() for c in self.sequences]
+        if held != list(lengths):
+            raise RuntimeError(f"the sequences' caches hold {held} tokens, not the prompt lengths {lengths}")
+        longest = max(lengths)
+        self.pads = [longest - n for n in lengths]
+
     def keep(self, sequences: list[int]) -> None:
         """The next forwards carry these sequences, in this order (finished ones dropped)."""
         if not sequences or any(not 0 <= s < len(self.sequences) for s in sequences):

@@ -182,13 +182,23 @@ def replay_prefill(cache, record: PrefillRecord) -> None:
             layer._pending = None  # what plain attend does first; the output is the recorded one
 
 
+def token_digest(input_ids) -> str:
+    """A digest of token ids (a tensor or a list), for a store key."""
+    ids = torch.as_tensor(input_ids).detach().to("cpu", torch.int64).contiguous()
+    return f"{tuple(ids.shape)}:" + hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+
+
 class PrefillStore:
-    """Records of one process by (model, prompt), within ``budget`` bytes (see the module
-    docstring). ``hits``/``misses``/``refused`` count lookups and records too large to keep."""
+    """What one process computed from a model's forward over a prompt, kept for the next request of
+    the same prompt, by ``(what, prompt digest, ...)`` keys, within ``budget`` bytes (see the module
+    docstring): :class:`PrefillRecord` s of the runner's prefill, and the attention captures of the
+    instruments (:func:`kvbench.tasks.attention_probe.capture_window`). A value says its size by
+    ``nbytes``. ``hits``/``misses``/``refused`` count lookups and values too large to keep. One
+    model at a time: asking about another model drops what was kept."""
 
     def __init__(self, budget: int | None = None):
         self._budget = budget
-        self.records: OrderedDict[tuple, PrefillRecord] = OrderedDict()
+        self.records: OrderedDict[tuple, Any] = OrderedDict()
         self.held = 0
         self.hits = self.misses = self.refused = 0
         self._model: weakref.ref | None = None
@@ -209,38 +219,31 @@ class PrefillStore:
     def enabled(self) -> bool:
         return self.budget > 0
 
-    @staticmethod
-    def key(model, input_ids: torch.Tensor, rows: int) -> tuple:
-        ids = input_ids.detach().to("cpu", torch.int64).contiguous()
-        digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
-        return (id(model), tuple(ids.shape), digest, rows)
-
     def _check_model(self, model) -> None:
-        # one model at a time: records of a model that is gone (or replaced) are dropped
         current = None if self._model is None else self._model()
         if current is not model:
             self.clear()
             self._model = weakref.ref(model)
 
-    def get(self, model, input_ids: torch.Tensor, rows: int) -> PrefillRecord | None:
+    def get(self, model, key: tuple) -> Any:
         self._check_model(model)
-        record = self.records.get(self.key(model, input_ids, rows))
-        if record is None:
+        value = self.records.get(key)
+        if value is None:
             self.misses += 1
         else:
             self.hits += 1
-        return record
+        return value
 
-    def put(self, model, input_ids: torch.Tensor, rows: int, record: PrefillRecord) -> bool:
+    def put(self, model, key: tuple, value: Any) -> bool:
+        """Keep ``value`` unless that would pass the budget (a full store keeps what it holds)."""
         self._check_model(model)
-        size = record.nbytes
+        if key in self.records:
+            return True
+        size = value.nbytes
         if self.held + size > self.budget:
             self.refused += 1
             return False
-        key = self.key(model, input_ids, rows)
-        if key in self.records:
-            return True
-        self.records[key] = record
+        self.records[key] = value
         self.held += size
         return True
 

@@ -236,6 +236,12 @@ class Method:
         runner otherwise computes only the last positions'). Default: no."""
         return False
 
+    def prefilled_alone(self, cache: KVBenchCache) -> None:
+        """Called after a sequence of a batch was prefilled on its own into ``cache``
+        (:meth:`kvbench.generate.ModelRunner.prefill_alone`), before the next sequence's prefill:
+        per-request state the method keeps on itself goes onto that sequence now, as a batched
+        prefill's :meth:`after_forward_batch` would have put it. Default: nothing."""
+
     def release(self) -> None:
         """Undo what :meth:`prepare` attached to the model (forward hooks), so that a model kept
         for the next run of the process carries nothing of this one. Default: nothing."""

@@ -16,6 +16,7 @@ registers no method.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,9 +170,49 @@ def _post_rope(k: torch.Tensor, shape, layer_idx: int) -> torch.Tensor:
     return spec.apply(k, torch.arange(k.shape[-2], device=k.device))
 
 
+class _Memo:
+    """What this process calibrated, by its inputs, for one model at a time: the captured keys and
+    values by (model, calibration file and its modification time, token count, sink), and the
+    fitted calibrations by those plus everything of the config that :func:`calibrate` reads. The
+    arms of a KVQuant ablation that differ elsewhere (outlier layout, sink kept or not at decode,
+    backend) share both; arms with other bits or datatypes share the forward over the text. The
+    results are the same tensors a fresh calibration computes (it is deterministic: seeded
+    subsamples, k-means from fixed starts)."""
+
+    def __init__(self):
+        self.model: weakref.ref | None = None
+        self.captured: dict[tuple, dict] = {}
+        self.fitted: dict[tuple, list[LayerCalibration]] = {}
+
+    def for_model(self, model) -> _Memo:
+        if self.model is None or self.model() is not model:
+            self.captured.clear()
+            self.fitted.clear()
+            self.model = weakref.ref(model)
+        return self
+
+
+_MEMO = _Memo()
+
+
 @torch.no_grad()
 def calibrate(model, tokenizer, shape, data_root, c) -> list[LayerCalibration]:
-    """One :class:`LayerCalibration` per layer for the KVQuant config ``c`` (module docstring)."""
+    """One :class:`LayerCalibration` per layer for the KVQuant config ``c`` (module docstring),
+    computed once per process for the same inputs (:class:`_Memo`)."""
+    source = getattr(c, "calibration_data", "wikitext2")
+    path = calibration_file(data_root, source)
+    memo = _MEMO.for_model(model)
+    read = (str(path.resolve()), path.stat().st_mtime_ns, c.calibration_tokens, c.sink_tokens)
+    fit = (*read, c.pre_rope, c.levels(c.key_bits), c.levels(c.value_bits), c.outlier_fraction, c.datatype)
+    if fit not in memo.fitted:
+        if read not in memo.captured:
+            memo.captured[read] = _capture(model, tokenizer, shape, data_root, c)
+        memo.fitted[fit] = _fit(memo.captured[read], shape, c)
+    return memo.fitted[fit]
+
+
+def _capture(model, tokenizer, shape, data_root, c) -> dict[tuple[str, int], list[torch.Tensor]]:
+    """The pre-RoPE keys and the values of every layer over the calibration windows."""
     source = getattr(c, "calibration_data", "wikitext2")
     text = calibration_text(data_root, source)
     # The paper calibrates on WikiText-2 *train*; only the test split ships here, and the
@@ -207,6 +248,11 @@ def calibrate(model, tokenizer, shape, data_root, c) -> list[LayerCalibration]:
                 captured.setdefault(("v_proj", i), []).append(x)
             k_proj.records.clear()
             v_proj.records.clear()
+    return captured
+
+
+def _fit(captured: dict[tuple[str, int], list[torch.Tensor]], shape, c) -> list[LayerCalibration]:
+    """Each layer's :class:`LayerCalibration` from its captured keys and values."""
     skip = c.sink_tokens  # the sink is kept in fp16, so it is left out of calibration
     out = []
     for i in range(shape.num_layers):

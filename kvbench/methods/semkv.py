@@ -436,6 +436,10 @@ class SemKV(Method):
     def needs_prefill_logits(self) -> bool:
         return self.config.metric in LOGIT_METRICS
 
+    def prefilled_alone(self, cache) -> None:
+        self._batch_logprobs[id(cache)] = self.last_logprobs
+        self.last_logprobs = None
+
     def release(self) -> None:
         if self.hidden is not None:
             self.hidden.close()

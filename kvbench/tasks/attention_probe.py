@@ -56,6 +56,7 @@ import torch
 
 from kvbench.cache import memory_report
 from kvbench.cache.capture import AttentionRecord, capture_attention, replay
+from kvbench.cache.prefill import SHARED_PREFILLS, token_digest
 from kvbench.config import check_choice, is_int, require
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Metric, Task, TaskConfig, Work, limited, register_task
@@ -109,15 +110,33 @@ def layer_errors(
     return torch.stack(per_head), pooled
 
 
+class _Captured(dict):
+    """A window's records, as kept in the process's store (``nbytes`` for its budget)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for r in self.values() for t in (r.query, r.keys, r.values))
+
+
 @torch.no_grad()
 def capture_window(model, ids: list[int], layers: list[int]) -> dict[int, AttentionRecord]:
     """One cache-less forward of the model over ``ids`` with each layer in ``layers`` recorded:
-    ``query [1, H, N, D]``, ``keys``/``values [1, H_kv, N, D]`` as the model computes them."""
+    ``query [1, H, N, D]``, ``keys``/``values [1, H_kv, N, D]`` as the model computes them.
+
+    The forward does not depend on the method probed, so the arms of a node share it: the records
+    are kept in the process's store (:data:`kvbench.cache.prefill.SHARED_PREFILLS`) and the next arm
+    probing the same window gets the same tensors (a new dict each time: the caller pops from it)."""
+    key = ("attention_probe", token_digest(ids), tuple(layers))
+    kept = SHARED_PREFILLS.get(model, key) if SHARED_PREFILLS.enabled else None
+    if kept is not None:
+        return dict(kept)
     device = next(model.parameters()).device
     with capture_attention(layers) as cap:
         # only the last position's logits: the full [N, vocab] is large and unused
         model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1)
-    return cap.records
+    if SHARED_PREFILLS.enabled:
+        SHARED_PREFILLS.put(model, key, _Captured(cap.records))
+    return dict(cap.records)
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvbench.config import build_config, require
+from kvbench.config import build_config, is_int, require
 from kvbench.errors import ConfigError
 from kvbench.registry import Registry
 
@@ -103,6 +103,24 @@ class Task:
         compare their token budgets against these. Empty when they are known only per sample."""
         return []
 
+    def batch_for(self, runner) -> int:
+        """How many samples :meth:`run_batch` takes at once in a run on ``runner``: 1 unless the
+        task decodes in batches (a ``batch_size`` knob: a number, or ``auto``,
+        :func:`auto_batch_size`) and the model and method allow it (no sliding-window layers, no
+        static decode step)."""
+        size = getattr(self.config, "batch_size", 1)
+        if size == 1 or runner.shape.sliding_layers() or runner.method.config.cuda_graph:
+            return 1
+        if size == "auto":
+            return auto_batch_size(runner, max(self.prompt_lengths() or [1]))
+        return int(size)
+
+    def run_batch(self, samples: list[dict[str, Any]], runner) -> list[dict[str, Any]]:
+        """The rows of ``samples`` (as many as :meth:`batch_for` says), in order. Default: each
+        :meth:`run` alone; a task that decodes in batches runs them as rows of one batch through
+        the runner's batched loops (``runner.generate_batch``, ``runner.score_batch``)."""
+        return [self.run(sample, runner) for sample in samples]
+
     def run(self, sample: dict[str, Any], runner) -> dict[str, Any]:
         """Run one sample with a :class:`kvbench.generate.ModelRunner`, through its generation loop
         (``runner.generate``) or its scoring loop (``runner.score``), never a loop of the task's own,
@@ -115,6 +133,39 @@ class Task:
         """Task-level metrics from the finished rows (default: mean of the primary metric)."""
         values = [r[self.primary_metric] for r in rows if r.get(self.primary_metric) is not None]
         return {self.primary_metric: sum(values) / len(values) if values else float("nan"), "n": len(values)}
+
+
+# ``batch_size: auto`` on the CPU: the batch that gave the most decoded tokens per second of the
+# sizes 1-16 on the default model at 1-4K-token prompts (benchmarks/throughput.md); past it the
+# per-row attention loop outweighs the weights read once.
+AUTO_BATCH_CPU = 8
+# On CUDA, ``auto`` fills at most this share of the free memory with the batch's FP16 prompts' KV.
+AUTO_BATCH_MEMORY_SHARE = 0.5
+AUTO_BATCH_MAX = 64
+
+
+def check_batch_size(value: Any) -> None:
+    require(
+        value == "auto" or (is_int(value) and value >= 1),
+        "task.batch_size",
+        value,
+        "auto (the machine's best batch) or an integer >= 1",
+    )
+
+
+def auto_batch_size(runner, prompt_tokens: int) -> int:
+    """``batch_size: auto``: :data:`AUTO_BATCH_CPU` on the CPU; on CUDA as many sequences as fit
+    :data:`AUTO_BATCH_MEMORY_SHARE` of the free device memory at their FP16 KV for
+    ``prompt_tokens`` tokens (a bound on any method's, whose caches are smaller), at most
+    :data:`AUTO_BATCH_MAX`."""
+    import torch
+
+    if runner.device.type != "cuda":
+        return AUTO_BATCH_CPU
+    free, _ = torch.cuda.mem_get_info(runner.device)
+    shape = runner.shape
+    per_sequence = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2 * max(prompt_tokens, 1)
+    return max(1, min(AUTO_BATCH_MAX, int(free * AUTO_BATCH_MEMORY_SHARE) // per_sequence))
 
 
 def limited(n: int, config: TaskConfig) -> int:

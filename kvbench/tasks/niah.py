@@ -46,7 +46,7 @@ import torch
 from kvbench.config import check_choice, inert, require
 from kvbench.data import missing_file, read_text
 from kvbench.errors import ConfigError
-from kvbench.tasks.base import Metric, Task, TaskConfig, Work, limited, register_task
+from kvbench.tasks.base import Metric, Task, TaskConfig, Work, check_batch_size, limited, register_task
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -183,10 +183,12 @@ class NIAHConfig(TaskConfig):
     buffer: int = 200
     max_new_tokens: int = 32
     chat_template: str = inert("auto")
+    batch_size: int | str = "auto"
 
     def __post_init__(self):
         super().__post_init__()
         check_choice("task.chat_template", self.chat_template, CHAT_TEMPLATE_MODES)
+        check_batch_size(self.batch_size)
         require(self.buffer >= 0, "task.buffer", self.buffer, "an int >= 0")
         require(self.max_new_tokens > 0, "task.max_new_tokens", self.max_new_tokens, "a positive int")
         check_choice("task.grid", self.grid, GRIDS)
@@ -327,10 +329,24 @@ class NIAH(Task):
         return tokenizer(prompt, return_tensors="pt", add_special_tokens=raw).input_ids
 
     def run(self, sample: dict[str, Any], runner) -> dict[str, Any]:
-        tokenizer = runner.tokenizer
-        prompt = self.build_prompt(tokenizer, sample["context_length"], sample["depth"])
-        input_ids = self.encode(tokenizer, prompt)
+        input_ids = self.input_ids(sample, runner.tokenizer)
         gen = runner.generate(input_ids, self.config.max_new_tokens)
+        return self.row(sample, runner.tokenizer, input_ids, gen)
+
+    def run_batch(self, samples: list[dict[str, Any]], runner) -> list[dict[str, Any]]:
+        """The samples decoded as rows of one batch (:meth:`ModelRunner.generate_batch`, each
+        prompt prefilled alone)."""
+        if len(samples) == 1:
+            return [self.run(samples[0], runner)]
+        ids = [self.input_ids(s, runner.tokenizer) for s in samples]
+        gens = runner.generate_batch(ids, self.config.max_new_tokens, prefill="alone")
+        return [self.row(s, runner.tokenizer, i, g) for s, i, g in zip(samples, ids, gens, strict=True)]
+
+    def input_ids(self, sample: dict[str, Any], tokenizer) -> torch.Tensor:
+        prompt = self.build_prompt(tokenizer, sample["context_length"], sample["depth"])
+        return self.encode(tokenizer, prompt)
+
+    def row(self, sample: dict[str, Any], tokenizer, input_ids: torch.Tensor, gen) -> dict[str, Any]:
         score = needle_recall(gen.text)
         return {
             "prompt_tokens": int(input_ids.shape[1]),

@@ -88,7 +88,7 @@ from kvbench.data import (
     resolve_corpus_path,
 )
 from kvbench.errors import ConfigError
-from kvbench.tasks.base import Metric, Task, TaskConfig, Work, limited, register_task
+from kvbench.tasks.base import Metric, Task, TaskConfig, Work, check_batch_size, limited, register_task
 
 DATASETS = ("wikitext2", "pg19", "c4", "text")
 PATH_DATASETS = ("text", "c4")  # the datasets that read task.path
@@ -328,10 +328,12 @@ class PerplexityConfig(TaskConfig):
     continuation_length: int = 64
     windows: int = 4
     chunk: int = 1
+    batch_size: int | str = "auto"
 
     def __post_init__(self):
         super().__post_init__()
         check_choice("task.dataset", self.dataset, DATASETS)
+        check_batch_size(self.batch_size)
         if isinstance(self.pg19_book, (list, tuple)) or type(self.pg19_book).__name__ == "ListConfig":
             books = [str(b) for b in self.pg19_book]  # Hydra reads a bare 10146 as an int
             ok = bool(books) and all(b.isdigit() for b in books) and len(set(books)) == len(books)
@@ -515,10 +517,23 @@ class Perplexity(Task):
 
     def run(self, sample: dict[str, Any], runner) -> dict[str, Any]:
         context = self.window_pairs(runner.tokenizer)[sample["window"]][0]
-        scored = self.score(sample["window"], runner)
+        return self.row(len(context), self.score(sample["window"], runner))
+
+    def run_batch(self, samples: list[dict[str, Any]], runner) -> list[dict[str, Any]]:
+        """The windows' continuations scored as rows of one batch (:meth:`ModelRunner.score_batch`):
+        each context prefilled alone, the continuations fed together."""
+        if len(samples) == 1:
+            return [self.run(samples[0], runner)]
+        pairs = [self.window_pairs(runner.tokenizer)[s["window"]] for s in samples]
+        ids = [(torch.tensor([c]), torch.tensor([n])) for c, n in pairs]
+        scored = runner.score_batch(ids, chunk=self.config.chunk, first="prefill")
+        return [self.row(len(c), s) for (c, _), s in zip(pairs, scored, strict=True)]
+
+    @staticmethod
+    def row(context_tokens: int, scored) -> dict[str, Any]:
         nll_mean = sum(scored.nll) / len(scored.nll)
         return {
-            "prompt_tokens": len(context),
+            "prompt_tokens": context_tokens,
             "prediction": "",
             "nll_mean": nll_mean,
             "ppl": math.exp(nll_mean),

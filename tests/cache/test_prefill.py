@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvbench.cache import memory_report
-from kvbench.cache.prefill import SHARED_PREFILLS, PrefillStore, record_prefill
+from kvbench.cache.prefill import SHARED_PREFILLS, PrefillStore, record_prefill, token_digest
 from kvbench.generate import PREFILL_LOGIT_ROWS, ModelRunner
 from kvbench.methods import METHODS, build_method
 
@@ -134,9 +134,10 @@ def test_a_full_store_keeps_what_it_holds(default_model, prompt):
         logits = runner.forward(prompt, cache, logits_to_keep=PREFILL_LOGIT_ROWS)
     record = recorder.finish(logits)
     store = PrefillStore(record.nbytes + 1)
-    assert store.put(model, prompt, 16, record)
-    assert not store.put(model, prompt[:, 1:], 16, record) and store.refused == 1
-    assert store.get(model, prompt, 16) is record and store.get(model, prompt[:, 1:], 16) is None
+    assert store.put(model, ("prefill", token_digest(prompt)), record)
+    assert not store.put(model, ("prefill", token_digest(prompt[:, 1:])), record) and store.refused == 1
+    assert store.get(model, ("prefill", token_digest(prompt))) is record
+    assert store.get(model, ("prefill", token_digest(prompt[:, 1:]))) is None
 
 
 def test_the_process_store_reads_its_budget(monkeypatch):

@@ -1,0 +1,198 @@
+"""Samples per CPU-hour of experiment nodes, with and without the work shared across a node's arms.
+
+For each node asked for, every job of its multirun (its arms, as ``python -m kvbench -m
++experiment=NODE`` would launch them, with ``--override``s that shrink its samples) runs in this
+process through :func:`kvbench.run.execute`, twice per repetition, into fresh output folders:
+
+- ``separate``: each arm on its own, as before the sharing: the model loaded again for every job,
+  every prompt prefilled by every arm with the logits of every position, KVQuant calibrated by every
+  arm (:data:`kvbench.cache.prefill.SHARED_PREFILLS` off, ``PREFILL_LOGIT_ROWS`` 0, the kept model
+  and the calibration memo dropped before each job);
+- ``shared``: the defaults: one model load per node, one prefill (or attention capture) per prompt
+  handed to every declaring arm, the last prompt positions' logits only, one calibration per
+  configuration.
+
+The two modes alternate (which goes first alternates by repetition), so a slow spell of the machine
+falls on both. Samples per CPU-hour are ``samples x 3600 / (wall seconds x threads)``. Then every
+row of the two modes is compared, every column but timings: the sharing must change no result.
+
+    python scripts/bench_samples.py --node attention_probe --override task.windows=2
+    python scripts/bench_samples.py --node kivi_axis_ablation --override task.windows=3 --reps 2
+    python scripts/bench_samples.py --suite benchmarks/throughput.csv      # the committed table
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# A suite per task type: each node with the overrides that make a run of minutes on two cores, and
+# at most ``jobs`` of its jobs (the first ones, in the multirun's order).
+SUITE = [
+    ("niah", "ott_vs_kivi", ["task.context_lengths=[1000]", "task.depths=[0,50,100]"], None),
+    ("perplexity", "kivi_axis_ablation", ["task.windows=3"], None),
+    ("perplexity", "kvquant_ablation", ["task.windows=2"], 9),
+    ("gsm8k", "kivi_gsm8k", ["task.limit=2"], None),
+    ("attention_probe", "attention_probe", ["task.windows=2"], None),
+]
+TIMING_KEYS = {"seconds", "prefill_s", "decode_s", "time_s", "sample_s"}
+
+
+def compose_jobs(node: str, overrides: list[str], jobs: int | None, root: Path) -> list[dict]:
+    """The job configs of ``node``'s multirun, each writing under ``root``."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from kvbench.__main__ import CONF_DIR, job_config, sweep_jobs
+
+    argv = [f"+experiment={node}", *overrides, f"output.root={root}"]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="kvbench"):
+        loader = GlobalHydra.instance().config_loader()
+        master, listed = sweep_jobs(argv)
+        configs = [job_config(loader.load_sweep_config(master, o)) for _, o in listed]
+    return configs[:jobs] if jobs else configs
+
+
+def set_mode(mode: str) -> None:
+    """Switch this process between the two modes of the module docstring."""
+    from kvbench import builder, generate
+    from kvbench.cache.prefill import SHARED_PREFILLS, default_budget
+    from kvbench.methods import kvquant_calibration
+
+    shared = mode == "shared"
+    SHARED_PREFILLS.budget = default_budget() if shared else 0
+    generate.PREFILL_LOGIT_ROWS = 16 if shared else 0
+    builder._KEPT.clear()
+    kvquant_calibration._MEMO.model = None
+
+
+def run_node(configs: list[dict], mode: str) -> tuple[float, int, list[dict]]:
+    """(wall seconds, samples, rows) of every job of a node in ``mode`` (``separate``: one sample at
+    a time, ``task.batch_size=1``)."""
+    from kvbench.run import execute
+
+    if mode == "separate":
+        configs = [
+            {**c, "task": {**c["task"], "batch_size": 1}} if "batch_size" in c["task"] else c for c in configs
+        ]
+    set_mode(mode)
+    rows, samples = [], 0
+    t0 = time.perf_counter()
+    for config in configs:
+        if mode == "separate":
+            set_mode(mode)  # every job loads and calibrates as if alone
+        metrics = execute(config, progress=False)
+        folder = Path(metrics["folder"])
+        for line in (folder / "samples.jsonl").read_text().splitlines():
+            rows.append(json.loads(line))
+        samples += metrics["timings"]["samples_run"]
+    return time.perf_counter() - t0, samples, rows
+
+
+def _strip(row: dict) -> dict:
+    drop = TIMING_KEYS | {"batch_size"}
+    return {k: v for k, v in row.items() if k not in drop and not k.endswith("_s")}
+
+
+def _floats(row: dict, prefix: str = "") -> dict[str, float]:
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, dict):
+            out.update(_floats(v, f"{prefix}{k}."))
+        elif isinstance(v, float):
+            out[prefix + k] = v
+    return out
+
+
+def compare(a: list[dict], b: list[dict]) -> dict:
+    """Rows of the two modes, matched by (method, sample): how many are identical in every column
+    but timings and the batch size, how many have the same prediction (generated text), and the
+    largest difference of any float column."""
+    key = lambda r: (r["method"], str(r["sample_id"]))  # noqa: E731
+    left, right = {key(r): _strip(r) for r in a}, {key(r): _strip(r) for r in b}
+    keys = sorted(set(left) | set(right))
+    diff = 0.0
+    for k in keys:
+        x, y = _floats(left.get(k, {})), _floats(right.get(k, {}))
+        diff = max([diff, *(abs(x[c] - y[c]) for c in set(x) & set(y))])
+    return {
+        "rows_identical": sum(left.get(k) == right.get(k) for k in keys),
+        "same_prediction": sum(
+            k in left and k in right and left[k].get("prediction") == right[k].get("prediction") for k in keys
+        ),
+        "max_abs_diff": float(f"{diff:.3g}"),
+    }
+
+
+def bench(task: str, node: str, overrides: list[str], jobs: int | None, reps: int, threads: int) -> dict:
+    out = {"task": task, "node": node, "overrides": " ".join(overrides), "threads": threads}
+    walls: dict[str, list[float]] = {"separate": [], "shared": []}
+    rows: dict[str, list[dict]] = {}
+    for rep in range(reps):
+        order = ("separate", "shared") if rep % 2 == 0 else ("shared", "separate")
+        for mode in order:
+            root = Path(tempfile.mkdtemp(prefix=f"bench-{node}-{mode}-"))
+            try:
+                configs = compose_jobs(node, overrides, jobs, root)
+                wall, samples, got = run_node(configs, mode)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            walls[mode].append(wall)
+            rows.setdefault(mode, got)
+            out["arms"], out["samples"] = len(configs), samples
+            print(f"{node} rep {rep} {mode}: {samples} samples in {wall:.1f} s", file=sys.stderr, flush=True)
+    for mode, values in walls.items():
+        wall = min(values)
+        out[f"{mode}_s"] = round(wall, 1)
+        out[f"{mode}_per_cpu_h"] = round(out["samples"] * 3600 / (wall * threads), 1)
+    out["speedup"] = round(out["shared_per_cpu_h"] / out["separate_per_cpu_h"], 2)
+    out.update(compare(rows["separate"], rows["shared"]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--node", help="one experiment node (else --suite)")
+    p.add_argument("--override", action="append", default=[], help="a Hydra override for every job")
+    p.add_argument("--jobs", type=int, default=None, help="the first N jobs of the node only")
+    p.add_argument("--suite", type=Path, help="run the suite of the module and write its CSV here")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.suite is None and args.node is None:
+        p.error("--node NAME or --suite CSV")
+    plan = SUITE if args.suite is not None else [("-", args.node, args.override, args.jobs)]
+    results = [bench(t, n, o, j, args.reps, args.threads) for t, n, o, j in plan]
+    fields = list(results[0])
+    writer = csv.DictWriter(sys.stdout, fields)
+    writer.writeheader()
+    writer.writerows(results)
+    if args.suite is not None:
+        with args.suite.open("w", newline="") as f:
+            w = csv.DictWriter(f, fields)
+            w.writeheader()
+            w.writerows(results)
+    total = {m: sum(r["samples"] * 3600 / r[f"{m}_s"] for r in results) for m in ("separate", "shared")}
+    print(f"all nodes: {sum(r['samples'] for r in results)} samples per mode", file=sys.stderr)
+    time_sep = sum(r["separate_s"] for r in results)
+    time_sh = sum(r["shared_s"] for r in results)
+    print(
+        f"all nodes: separate {time_sep:.0f} s, shared {time_sh:.0f} s: {time_sep / time_sh:.2f}x",
+        file=sys.stderr,
+    )
+    del total
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
