@@ -302,7 +302,10 @@ def _execute_in(folder: RunFolder, plan: RunPlan, progress: bool) -> dict[str, A
                 disable=not progress,
                 file=sys.stderr,
             )
-            _run_samples(todo, bar, done, folder, runner, spec)
+            try:
+                _run_samples(todo, bar, done, folder, runner, spec)
+            finally:
+                bar.close()  # the bar's last line before any message about how the run ended
         except KeyboardInterrupt as err:
             # what is on disk: the signal may land between a row's append and its entry in `done`
             stored = {row.get("sample_id") for row in folder.rows()} | set(done)
