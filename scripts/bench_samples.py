@@ -37,9 +37,9 @@ import torch
 # A suite per task type: each node with the overrides that make a run of minutes on two cores, and
 # at most ``jobs`` of its jobs (the first ones, in the multirun's order).
 SUITE = [
-    ("niah", "ott_vs_kivi", ["task.context_lengths=[1000]", "task.depths=[0,50,100]"], None),
-    ("perplexity", "kivi_axis_ablation", ["task.windows=3"], None),
-    ("perplexity", "kvquant_ablation", ["task.windows=2"], 9),
+    ("niah", "ott_vs_kivi", ["task.context_lengths=[1000,2000]", "task.depths=[0,50,100]"], None),
+    ("perplexity", "kivi_axis_ablation", ["task.windows=16"], None),
+    ("perplexity", "kvquant_ablation", ["task.windows=4"], 12),
     ("gsm8k", "kivi_gsm8k", ["task.limit=2"], None),
     ("attention_probe", "attention_probe", ["task.windows=2"], None),
 ]

@@ -446,6 +446,45 @@ def test_prepare_calibrates_from_pre_rope_k_proj_outputs(tmp_path):
         method.config.check_model(shape_of_config(config))
 
 
+def test_calibration_is_computed_once_per_inputs(tmp_path, monkeypatch):
+    """The arms of an ablation in one process: the same inputs give the same calibration without a
+    second forward over the text; other bits reuse the captured text but fit anew, and the result
+    equals a fresh calibration's; another model starts afresh."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbench.methods import kvquant_calibration as kc
+
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": THETA},
+    )  # fmt: skip
+    torch.manual_seed(8)
+    model = LlamaForCausalLM(config).eval()
+    (tmp_path / "wikitext2").mkdir()
+    (tmp_path / "wikitext2" / "wiki.test.raw").write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    shape = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=THETA)
+    captures, fits = [], []
+    real_capture, real_fit = kc._capture, kc._fit
+    monkeypatch.setattr(kc, "_capture", lambda *a: captures.append(1) or real_capture(*a))
+    monkeypatch.setattr(kc, "_fit", lambda *a: fits.append(1) or real_fit(*a))
+
+    def prepared(bits, layout="auto"):
+        node = {"name": "kvquant", "bits": bits, "calibration_tokens": 80, "outlier_layout": layout}
+        method = build_method(node)
+        method.prepare(model, _ByteTokenizer(), shape, tmp_path)
+        return method.calibration
+
+    first = prepared(2)
+    assert prepared(2, layout="fixed") is first and (len(captures), len(fits)) == (1, 1)
+    three = prepared(3)
+    assert (len(captures), len(fits)) == (1, 2)
+    kc._MEMO.model = None  # a fresh process
+    fresh = prepared(3)
+    assert (len(captures), len(fits)) == (2, 3)
+    for a, b in zip(three, fresh, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(vars(a).values(), vars(b).values(), strict=True))
+
+
 def test_calibrate_layer_excludes_outliers_from_the_codebook_values():
     torch.manual_seed(9)
     keys = torch.randn(200, 1, 8)
