@@ -461,7 +461,8 @@ def test_calibration_is_computed_once_per_inputs(tmp_path, monkeypatch):
     torch.manual_seed(8)
     model = LlamaForCausalLM(config).eval()
     (tmp_path / "wikitext2").mkdir()
-    (tmp_path / "wikitext2" / "wiki.test.raw").write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    (tmp_path / "wikitext2" / "wiki.test.raw").write_text(text)
     shape = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=THETA)
     captures, fits = [], []
     real_capture, real_fit = kc._capture, kc._fit
