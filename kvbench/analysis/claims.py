@@ -99,7 +99,7 @@ import math
 import re
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +122,13 @@ from kvbench.stats import (
     n_from_pilot,
     sign_flip_test,
     tost_equivalence,
+)
+from kvbench.stats.exact import (
+    benjamini_hochberg,
+    bounded_mean_p,
+    is_binary,
+    n_for_binomial_side,
+    paired_bounded_p,
 )
 
 VERDICTS = (
@@ -147,8 +154,21 @@ OPTIONAL = (
     "task_claim",
     "quote",
     "note",
+    "underpowered",
+    "margin_source",
 )
 PREMISE_KEYS = ("cliff_at_most", "experiment", "family", "reference", "why")
+PREMISE_OPTIONAL = ("rules",)
+MARGIN_SOURCES = ("paper", "kvbench")
+# Metrics whose per-sample value lies in a known range (the head of a dotted path): a task score,
+# a recall, a hit rate. Their rules get the exact, tie-aware tests of ``kvbench.stats.exact``.
+BOUNDED_METRICS: dict[str, tuple[float, float]] = {
+    "score": (0.0, 1.0),
+    "needle_recall": (0.0, 1.0),
+    "hit_rate": (0.0, 1.0),
+    "hit_rates": (0.0, 1.0),
+    "quantized_fraction": (0.0, 1.0),
+}
 OUTPUT_FIELDS = ("measured", "verdict", "source")
 SELECTOR_KEYS = ("label", "method", "bits", "config", "metric")
 DEFAULT_MODEL = "smollm2-135m"
@@ -219,6 +239,8 @@ class Claim:
     task_claim: str | None = None
     quote: str | list[str] | None = None
     note: str | None = None
+    underpowered: str | None = None
+    margin_source: str = "kvbench"
 
 
 # ------------------------------------------------------------------------------------ parsing
@@ -340,8 +362,12 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None, paper: str = 
         raise ClaimsError(cid, unknown[0], f"unknown field; allowed: {', '.join(REQUIRED + OPTIONAL)}")
     for key in ("where", "statement"):
         _text(cid, entry, key)
-    for key in ("metric", "note", "pending", "untestable", "family", "proxy", "task_claim"):
+    for key in ("metric", "note", "pending", "untestable", "family", "proxy", "task_claim", "underpowered"):
         _text(cid, entry, key, allow_none=True)
+    if entry.get("margin_source", "kvbench") not in MARGIN_SOURCES:
+        raise ClaimsError(
+            cid, "margin_source", f"{entry['margin_source']!r}: one of {', '.join(MARGIN_SOURCES)}"
+        )
     quote = entry.get("quote")
     quotes = quote if isinstance(quote, list) else [quote]
     if quote is not None and not all(isinstance(q, str) and q.strip() for q in quotes):
@@ -387,7 +413,7 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None, paper: str = 
             raise ClaimsError(
                 cid, "floor", f"{floor!r}: expected {{arm: one of {', '.join(arms)}, above: a number}}"
             )
-    premise = _premise(cid, entry.get("premise"))
+    premise = _premise(cid, entry.get("premise"), parsed)
     experiment = entry["experiment"]
     if conf_dir is not None and entry.get("pending") is None:
         if not (Path(conf_dir) / "experiment" / f"{experiment}.yaml").is_file():
@@ -410,18 +436,35 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None, paper: str = 
         task_claim=entry.get("task_claim"),
         quote=entry.get("quote"),
         note=entry.get("note"),
+        underpowered=entry.get("underpowered"),
+        margin_source=entry.get("margin_source", "kvbench"),
     )
 
 
-def _premise(cid: str, value: Any) -> tuple[dict[str, Any], ...]:
+def _premise(cid: str, value: Any, rules: tuple[Rule, ...] = ()) -> tuple[dict[str, Any], ...]:
     if value is None:
         return ()
     items = value if isinstance(value, list) else [value]
     out = []
     for i, item in enumerate(items):
         where = f"premise[{i}]"
-        if not isinstance(item, dict) or set(item) != set(PREMISE_KEYS):
-            raise ClaimsError(cid, where, f"expected the keys {', '.join(PREMISE_KEYS)}, got {item!r}")
+        if not isinstance(item, dict) or not set(PREMISE_KEYS) <= set(item) <= {
+            *PREMISE_KEYS,
+            *PREMISE_OPTIONAL,
+        }:
+            raise ClaimsError(
+                cid,
+                where,
+                f"expected the keys {', '.join(PREMISE_KEYS)} (and optionally rules), got {item!r}",
+            )
+        texts = {r.text for r in rules}
+        covered = item.get("rules")
+        if covered is not None and (
+            not isinstance(covered, list) or not covered or not all(str(t).strip() in texts for t in covered)
+        ):
+            raise ClaimsError(
+                cid, f"{where}.rules", f"{covered!r}: a list of the claim's own rule texts that rest on it"
+            )
         if isinstance(item["cliff_at_most"], bool) or not isinstance(item["cliff_at_most"], (int, float)):
             raise ClaimsError(cid, where, f"cliff_at_most must be a bit width, got {item['cliff_at_most']!r}")
         for key in ("experiment", "why"):
@@ -429,6 +472,7 @@ def _premise(cid: str, value: Any) -> tuple[dict[str, Any], ...]:
         out.append(
             {
                 **item,
+                "rules": None if covered is None else [str(t).strip() for t in covered],
                 "family": _selector(cid, "family", item["family"]),
                 "reference": _selector(cid, "reference", item["reference"]),
             }
@@ -442,9 +486,69 @@ def _node_plan(conf_dir: Path, experiment: str) -> dict[str, Any]:
     return node.get("analysis") or {}
 
 
+def metric_bounds(metric: str | None, *values: np.ndarray) -> tuple[float, float] | None:
+    """The range ``(lo, hi)`` of a bounded metric (``BOUNDED_METRICS``, by the head of a dotted
+    path), or None for an unbounded one (perplexity, an error, bits) and for values that leave the
+    range (then the metric is not the bounded one the name suggests)."""
+    if metric is None:
+        return None
+    bounds = BOUNDED_METRICS.get(str(metric).split(".")[0])
+    if bounds is None:
+        return None
+    lo, hi = bounds
+    for v in values:
+        v = np.asarray(v, dtype=float)
+        if v.size and (np.nanmin(v) < lo - 1e-9 or np.nanmax(v) > hi + 1e-9):
+            return None
+    return bounds
+
+
+def _rule_metric(claim: Claim, rule: Rule, plan: Mapping[str, Any], arm: str | None = None) -> str | None:
+    arm = arm or rule.arms[0]
+    return (
+        claim.arms.get(arm, {}).get("metric")
+        or rule.kwargs.get("metric")
+        or claim.metric
+        or plan.get("metric")
+    )
+
+
+def best_case_p(claim: Claim, rule: Rule, n: int, plan: Mapping[str, Any]) -> tuple[float, str] | None:
+    """The smallest p the confirming side of a margin or bound rule can give with ``n`` pairs, on
+    the most favourable data (every pair tied or won; every value at the favourable bound), and the
+    test that gives it; None for the sign-flip rules (``min_p_sign_flip`` covers them).
+
+    Bounded metrics take the exact tests of ``kvbench.stats.exact``: at margin m on a range R the
+    binomial side's best p is ``(1 - m / R) ** n``; a bound v on a 0/1 mean, ``s ** n`` for
+    ``at_least`` and ``(1 - s) ** n`` for ``at_most`` with ``s = (v - lo) / R``. Unbounded metrics
+    take the t-test, which reaches any level with 2 pairs and some spread (1.0 below 2 pairs)."""
+    if rule.kind in _SIGN_FLIP:
+        return None
+    metric = _rule_metric(claim, rule, plan)
+    bounds = metric_bounds(metric)
+    if rule.kind == "cliff_within":
+        margin = rule.kwargs.get("margin", plan.get("margin"))
+        if margin is None or bounds is None:
+            return None
+        span = bounds[1] - bounds[0]
+        return max(0.0, 1 - float(margin) / span) ** n, f"exact TOST at margin {margin:g} per grid point"
+    if bounds is None or rule.kind == "ratio":
+        return (0.0 if n >= 2 else 1.0), "t-test"
+    lo, hi = bounds
+    span = hi - lo
+    if rule.kind in _NEEDS_MARGIN:
+        margin = float(rule.kwargs["margin"])
+        return max(0.0, 1 - margin / span) ** n, f"exact binomial side at margin {margin:g} on {metric}"
+    share = min(1.0, max(0.0, (float(rule.args[0]) - lo) / span))
+    best = share**n if rule.kind == "at_least" else (1 - share) ** n
+    return best, f"exact binomial bound {float(rule.args[0]):g} on {metric}"
+
+
 def _check_attainable(claims: list[Claim], conf_dir: Path) -> None:
     """Every rule of every testable claim can reach its alpha at its node's declared size (see the
-    module docstring); a ClaimsError naming the pairs needed otherwise."""
+    module docstring); a ClaimsError naming the pairs needed otherwise. A margin or bound rule that
+    can only refute at that size (``best_case_p``) is accepted only when the claim says why in
+    ``underpowered``, and ``underpowered`` only on a claim that has such a rule."""
     families: dict[str, int] = {}
     for c in claims:
         families[c.family or c.id] = families.get(c.family or c.id, 0) + sum(
@@ -456,13 +560,17 @@ def _check_attainable(claims: list[Claim], conf_dir: Path) -> None:
         plan = _node_plan(conf_dir, c.experiment)
         n = int(plan.get("n") or 0) * max(1, len(plan.get("seeds") or [0]))
         alpha = float(plan.get("alpha") or ALPHA)
+        weak = []
         for rule in c.rules:
+            best = best_case_p(c, rule, n, plan)
+            if best is not None and best[0] >= alpha:
+                weak.append(f"{rule.text!r} (best p {best[0]:.3g} by the {best[1]})")
             if rule.kind in _SIGN_FLIP:
                 m, two_sided, what = families[c.family or c.id], False, "Holm family"
             elif rule.kind == "cliff_within":
                 m, two_sided, what = max(1, len(plan.get("grid") or [])), True, "grid points"
             else:
-                continue  # t-tests reach any level with 2 pairs and some spread
+                continue
             floor = min_p_sign_flip(n, m, two_sided)
             if floor >= alpha:
                 need = min_n_sign_flip(alpha, m, two_sided)
@@ -473,11 +581,59 @@ def _check_attainable(claims: list[Claim], conf_dir: Path) -> None:
                     f"pairs (analysis.n x seeds), {m} {what}, smallest attainable p {floor:.3g}; it "
                     f"needs n >= {need} (resize the node or change the rule)",
                 )
+        if weak and c.underpowered is None:
+            raise ClaimsError(
+                c.id,
+                "rule",
+                f"{'; '.join(weak)}: at node {c.experiment}'s size (n={n} pairs) no data can confirm it at "
+                f"alpha={alpha:g}, only refute it; resize the node, or say why it stays this size in "
+                "'underpowered'",
+            )
+        if not weak and c.underpowered is not None:
+            raise ClaimsError(
+                c.id, "underpowered", f"every rule can confirm at n={n} pairs; remove the field"
+            )
+
+
+def _selector_key(sel: Mapping[str, Any]) -> str:
+    return yaml.safe_dump(dict(sel), sort_keys=True)
+
+
+def rule_signature(claim: Claim, rule: Rule) -> tuple:
+    """What a rule tests, independent of how the claim names its arms: the node, the metric, the
+    rule kind with its values and keywords, and each arm's selector in the rule's order."""
+    arms = tuple(
+        _selector_key({**claim.arms[a], "metric": _rule_metric(claim, rule, {}, a)}) for a in rule.arms
+    )
+    kwargs = tuple(sorted((k, v) for k, v in rule.kwargs.items() if k != "metric"))
+    return (claim.experiment, rule.kind, arms, rule.args, kwargs, rule.op, rule.bound)
+
+
+def _check_distinct(claims: list[Claim]) -> None:
+    """No two claims of one paper test the same thing: a rule whose ``rule_signature`` another claim
+    of the paper already has is a ClaimsError (one claim per distinct test). Two papers may make the
+    same claim about the same runs (KIVI's and KVQuant's per-channel keys); the page then counts
+    that test once in its false discovery rate (``page_tests``)."""
+    seen: dict[tuple, str] = {}
+    for c in claims:
+        if c.untestable is not None:
+            continue
+        for rule in c.rules:
+            key = (c.paper, *rule_signature(c, rule))
+            if key in seen and seen[key] != c.id:
+                raise ClaimsError(
+                    c.id,
+                    "rule",
+                    f"{rule.text!r} repeats the test of claim {seen[key]!r} (same node, arms, metric and "
+                    "rule): make them one claim, or declare a test that differs",
+                )
+            seen.setdefault(key, c.id)
 
 
 def check_claims(claims: list[Claim], conf_dir: str | Path | None = None) -> None:
-    """What no single claim can check: ids unique, each task-level claim declared, and with
-    ``conf_dir`` every rule able to reach its alpha at its node's size (``_check_attainable``)."""
+    """What no single claim can check: ids unique, each task-level claim declared, no test declared
+    twice (``_check_distinct``), and with ``conf_dir`` every rule able to reach its alpha at its
+    node's size (``_check_attainable``)."""
     seen: set[str] = set()
     for claim in claims:
         if claim.id in seen:
@@ -486,6 +642,7 @@ def check_claims(claims: list[Claim], conf_dir: str | Path | None = None) -> Non
     for claim in claims:
         if claim.task_claim is not None and claim.task_claim not in seen:
             raise ClaimsError(claim.id, "task_claim", f"{claim.task_claim!r} is not a declared claim")
+    _check_distinct(claims)
     if conf_dir is not None:
         _check_attainable(claims, Path(conf_dir))
 
@@ -585,6 +742,21 @@ class Outcome:
     p_less: float | None = None
     diffs: np.ndarray | None = None
     effect: float | None = None
+    # the metric's range when it is bounded (exact tests), and why the claim's side cannot be shown
+    # (an arm at the ceiling or floor) when it cannot
+    bounds: tuple[float, float] | None = None
+    blocked: str | None = None
+    # the raw p-values of the page-wide false discovery rate: (label, two-sided p) per test; None
+    # when the verdict is arithmetic on a constant (no test) or the rule did not run
+    page_tests: list[tuple[str, float]] = field(default_factory=list)
+    arithmetic: bool = False
+    # the verdict at other margins: {margin: verdict}, for margins kvbench chose
+    sensitivity: dict[float, str] = field(default_factory=dict)
+    margin: float | None = None
+    # whether the rule holds its verdict apart from a failed premise
+    premise_free: bool = True
+    # what the rule tests (``rule_signature``), so a test two papers share is counted once
+    signature: tuple | None = None
 
 
 def _plan(d: np.ndarray, direction: str, alpha: float, sign_flip: bool = False) -> float:
@@ -612,16 +784,50 @@ def _ci_text(ci: tuple[float, float] | None) -> str:
 
 
 def _t_sides(d: np.ndarray, shift: float = 0.0) -> tuple[float, float]:
-    """One-sided paired t p-values ``(P for mean > shift, P for mean < shift)``; with no spread
-    the sign of ``mean - shift`` decides (p 0 or 1; a mean exactly at the bound supports '>=')."""
+    """One-sided paired t p-values ``(P for mean > shift, P for mean < shift)``. With no spread there
+    is no t statistic and none is computed: NaN, NaN (the callers decide a constant by arithmetic,
+    ``_constant_text``, or, for a bounded metric, by the exact tests)."""
     mean = float(d.mean()) - shift
     se = float(d.std(ddof=1)) / math.sqrt(d.size) if d.size > 1 else math.nan
-    if d.size < 2 or math.isnan(se):
+    if d.size < 2 or math.isnan(se) or se == 0:
         return math.nan, math.nan
-    if se == 0:
-        return (0.0 if mean >= 0 else 1.0), (0.0 if mean < 0 else 1.0)
     t = mean / se
     return float(sps.t.sf(t, d.size - 1)), float(sps.t.cdf(t, d.size - 1))
+
+
+def _no_spread(d: np.ndarray) -> bool:
+    return bool(d.size) and bool(np.all(np.isclose(d, d[0], rtol=0, atol=1e-12)))
+
+
+def _two_sided(p_claim: float | None, p_against: float | None) -> float:
+    """The two one-sided p-values of a rule as one two-sided p (``2 min``), for the page's FDR."""
+    ps = [p for p in (p_claim, p_against) if p is not None and not math.isnan(p)]
+    return min(1.0, 2 * min(ps)) if ps else math.nan
+
+
+def _bound_state(values: np.ndarray, bounds: tuple[float, float] | None) -> str | None:
+    """``"ceiling"`` when every value sits at the metric's top, ``"floor"`` at its bottom, else None."""
+    if bounds is None or not values.size:
+        return None
+    if np.allclose(values, bounds[1]):
+        return "ceiling"
+    if np.allclose(values, bounds[0]):
+        return "floor"
+    return None
+
+
+def _all_at_bound(arms: tuple[str, ...], values: list[np.ndarray], bounds, metric: str) -> str | None:
+    """The reason no rule can tell the arms apart when every one of them sits at the same bound of a
+    bounded metric on every pair (``ceiling: all arms at 1.0 ...``), else None."""
+    states = {_bound_state(v, bounds) for v in values}
+    if len(states) != 1 or None in states:
+        return None
+    state = states.pop()
+    value = bounds[1] if state == "ceiling" else bounds[0]
+    return (
+        f"{state}: all arms ({', '.join(arms)}) at {value:g} on {metric} over {values[0].size} pairs, "
+        "nothing can be told apart"
+    )
 
 
 class _Context:
@@ -668,22 +874,44 @@ def _difference_outcome(ctx: _Context, rule: Rule) -> Outcome:
     raw = (
         values[0] - values[1] if rule.kind == "better" else (values[0] - values[1]) - (values[2] - values[3])
     )
-    d = raw if ctx.higher_is_better(metric) else -raw
+    higher = ctx.higher_is_better(metric)
+    d = raw if higher else -raw
     rng = ctx.rng(rule)
     ci = bootstrap_ci(raw, level=1 - ctx.alpha, n_resamples=ctx.n_resamples, rng=rng)
     what = f"{rule.arms[0]} - {rule.arms[1]}" if rule.kind == "better" else "gain difference"
     effect = rule.kwargs.get("effect")
+    measured = f"{what} = {_fmt(float(raw.mean()))}{_ci_text(ci)} {metric}, n={d.size}"
+    bounds = metric_bounds(metric, *values)
+    flat = _all_at_bound(rule.arms, values, bounds, metric)
+    if flat is not None:
+        return Outcome(
+            rule.text, "not testable here", float(raw.mean()), ci, int(d.size), measured=measured, reason=flat
+        )
+    blocked = None
+    if rule.kind == "better" and bounds is not None:
+        # the claim's side is out of reach when the first arm sits at its worst bound or the second
+        # at its best: a significant difference can then only go against the claim
+        worst, best = ("floor", "ceiling") if higher else ("ceiling", "floor")
+        for arm, v, bad in ((rule.arms[0], values[0], worst), (rule.arms[1], values[1], best)):
+            if _bound_state(v, bounds) == bad:
+                value = bounds[1] if bad == "ceiling" else bounds[0]
+                blocked = (
+                    f"{bad}: {arm} at {value:g} on {metric} on every one of {d.size} pairs, so "
+                    f"{rule.arms[0]} cannot be shown better than {rule.arms[1]}"
+                )
     return Outcome(
         rule.text,
         "pending",
         float(raw.mean()),
         ci,
         int(d.size),
-        measured=f"{what} = {_fmt(float(raw.mean()))}{_ci_text(ci)} {metric}, n={d.size}",
+        measured=measured,
         p_greater=sign_flip_test(d, alternative="greater", rng=rng),
         p_less=sign_flip_test(d, alternative="less", rng=rng),
         diffs=d,
         effect=None if effect is None else float(effect),
+        bounds=bounds,
+        blocked=blocked,
     )
 
 
@@ -700,6 +928,7 @@ def _decide_family(outcomes: list[Outcome], alpha: float) -> None:
     level = alpha / m
     for o, pg, pl in zip(outcomes, greater, less, strict=True):
         d = o.diffs
+        o.page_tests = [(o.rule, _two_sided(o.p_greater, o.p_less))]
         # the structural floor at this many pairs (ties only raise it, and more pairs lower it)
         pairs = int(d.size)
         o.measured += (
@@ -710,6 +939,8 @@ def _decide_family(outcomes: list[Outcome], alpha: float) -> None:
             o.verdict = "reproduced"
         elif pl < alpha:
             o.verdict = "evidence against"
+        elif o.blocked is not None:
+            o.verdict, o.reason = "not testable here", o.blocked
         elif floor >= alpha:
             o.verdict = "not run"
             o.reason = (
@@ -717,10 +948,10 @@ def _decide_family(outcomes: list[Outcome], alpha: float) -> None:
                 f"{floor:.3g} >= alpha {alpha:g}, so no outcome could reject; it needs "
                 f"{min_n_sign_flip(alpha, m)} pairs"
             )
-        elif o.effect is not None and _t_sides(d, o.effect)[1] < alpha:
+        elif o.effect is not None and _small_effect_p(o)[0] < alpha:
             o.verdict = "no effect at this power"
-            p_small = _t_sides(d, o.effect)[1]
-            o.measured += f"; an effect of {_fmt(o.effect)} or more is rejected (t-test p={_fmt(p_small)})"
+            p_small, test = _small_effect_p(o)
+            o.measured += f"; an effect of {_fmt(o.effect)} or more is rejected ({test} p={_fmt(p_small)})"
         else:
             o.verdict = "inconclusive"
             mean = float(d.mean())
@@ -732,25 +963,62 @@ def _decide_family(outcomes: list[Outcome], alpha: float) -> None:
             o.n_refute = _plan(d, "less", level, sign_flip=True)
 
 
+def _small_effect_p(o: Outcome) -> tuple[float, str]:
+    """The p-value that the true effect is below the declared ``effect`` and its test: exact for a
+    bounded metric (the binomial side on the pairs the first arm wins), a one-sided t-test
+    otherwise; 1.0 when the differences have no spread (no t, and a tie shows no power)."""
+    d = o.diffs
+    if o.bounds is not None:
+        span = o.bounds[1] - o.bounds[0]
+        res = paired_bounded_p(d, span, float(o.effect), "less")
+        return res["p"], res["test"]
+    if _no_spread(d):
+        return 1.0, "no test (no spread)"
+    return _t_sides(d, o.effect)[1], "t-test"
+
+
+def _constant_text(value: float, n: int) -> str:
+    return f"every one of the {n} pairs gives {_fmt(value)}: no spread, so no test; decided by arithmetic"
+
+
 def _margin_outcome(ctx: _Context, rule: Rule) -> Outcome:
-    """not_worse / equivalent through the paired TOST of ``kvbench.stats.tost_equivalence``."""
+    """not_worse / equivalent. A bounded metric (a task score) takes the exact tests of
+    ``kvbench.stats.exact`` (``paired_bounded_p``): the confirming side is the exact binomial test
+    on the pairs lost (and, for equivalence, won), so ties prove only what their count allows; the
+    refuting side is exact too. Every arm at one bound is ``not testable here`` (a ceiling or floor).
+    An unbounded metric takes the paired TOST of ``kvbench.stats.tost_equivalence``; with no spread
+    at all the constant difference is compared with the margin by arithmetic."""
     (a, b), metric = ctx.paired(rule, rule.arms)
     raw = a - b
     d = raw if ctx.higher_is_better(metric) else -raw
     margin, alpha = float(rule.kwargs["margin"]), ctx.alpha
     ci = bootstrap_ci(raw, level=1 - alpha, n_resamples=ctx.n_resamples, rng=ctx.rng(rule))
-    tost = tost_equivalence(d, margin, alpha)
     mean = float(d.mean())
-    out = Outcome(rule.text, "inconclusive", float(raw.mean()), ci, int(d.size))
+    out = Outcome(rule.text, "inconclusive", float(raw.mean()), ci, int(d.size), margin=margin)
     out.measured = (
         f"{rule.arms[0]} - {rule.arms[1]} = {_fmt(out.estimate)}{_ci_text(ci)} {metric}, n={d.size}"
     )
+    bounds = metric_bounds(metric, a, b)
+    flat = _all_at_bound(rule.arms, [a, b], bounds, metric)
+    if flat is not None:
+        out.verdict, out.reason = "not testable here", flat
+        return out
+    if bounds is not None:
+        return _bounded_margin(out, rule, d, bounds, margin, alpha)
+    if _no_spread(d):
+        out.arithmetic = True
+        inside = mean > -margin if rule.kind == "not_worse" else abs(mean) < margin
+        out.verdict = "reproduced" if inside else "evidence against"
+        out.measured += f"; {_constant_text(float(raw[0]), d.size)} at margin {_fmt(margin)}"
+        return out
+    tost = tost_equivalence(d, margin, alpha)
     if rule.kind == "not_worse":
         p_inferior = _t_sides(d, -margin)[1]
         out.measured += (
             f", non-inferiority p={_fmt(tost['p_lower'])}, inferiority p={_fmt(p_inferior)}"
             f" at margin {_fmt(margin)}"
         )
+        out.page_tests = [(rule.text, _two_sided(tost["p_lower"], p_inferior))]
         if tost["p_lower"] < alpha:
             out.verdict = "reproduced"
         elif p_inferior < alpha:
@@ -762,6 +1030,7 @@ def _margin_outcome(ctx: _Context, rule: Rule) -> Outcome:
     above, below = _t_sides(d, margin)[0], _t_sides(d, -margin)[1]
     p_outside = min(1.0, 2 * min(above, below))  # Bonferroni over the two sides
     out.measured += f", TOST p={_fmt(tost['p'])}, outside-margin p={_fmt(p_outside)} at margin {_fmt(margin)}"
+    out.page_tests = [(rule.text, _two_sided(tost["p"], p_outside))]
     if tost["equivalent"]:
         out.verdict = "reproduced"
     elif p_outside < alpha:
@@ -774,10 +1043,79 @@ def _margin_outcome(ctx: _Context, rule: Rule) -> Outcome:
     return out
 
 
+def _refute_p(d: np.ndarray, span: float, shift: float, side: str) -> dict:
+    """The refuting side of a margin rule on a bounded metric: exact for 0/1 scores (Clopper-Pearson
+    on the discordant pairs) and for differences with no spread (Anderson's bound); for fractional
+    scores with some spread, the one-sided paired t-test, as for an unbounded metric: the
+    distribution-free bound is too loose at a few dozen pairs to refute even every pair lost, and
+    the t-test there has a spread to divide by. (The confirming side stays exact: that is where
+    ties made the t-test claim what the data cannot show.)"""
+    binary = bool(np.all(np.isclose(np.abs(d), span) | np.isclose(d, 0)))
+    if binary or _no_spread(d):
+        return paired_bounded_p(d, span, shift, side)
+    greater, less = _t_sides(d, shift)
+    return {"p": greater if side == "greater" else less, "test": "paired t"}
+
+
+def _bounded_margin(
+    out: Outcome, rule: Rule, d: np.ndarray, bounds: tuple[float, float], margin: float, alpha: float
+) -> Outcome:
+    """The exact margin tests of a bounded metric (see ``_margin_outcome``); the pairs needed are
+    planned for the exact binomial side at the observed shares of lost and won pairs."""
+    span = bounds[1] - bounds[0]
+    n = int(d.size)
+    lost, won = int(np.count_nonzero(d < 0)), int(np.count_nonzero(d > 0))
+    lower = paired_bounded_p(d, span, -margin, "greater")
+    below = _refute_p(d, span, -margin, "less")
+    best = max(0.0, 1 - margin / span) ** n
+    shares = f"{lost} of {n} pairs lost, {won} won"
+    if rule.kind == "not_worse":
+        p_claim, p_against = lower["p"], below["p"]
+        out.measured += (
+            f"; {shares}; exact non-inferiority p={_fmt(p_claim)} ({lower['test']}), inferiority "
+            f"p={_fmt(p_against)} ({below['test']}) at margin {_fmt(margin)}"
+        )
+        plans = [n_for_binomial_side(lost / n, margin / span, alpha, POWER)]
+    else:
+        upper = paired_bounded_p(d, span, margin, "less")
+        above = _refute_p(d, span, margin, "greater")
+        p_claim = max(lower["p"], upper["p"])
+        p_against = min(1.0, 2 * min(below["p"], above["p"]))
+        out.measured += (
+            f"; {shares}; exact TOST p={_fmt(p_claim)} ({lower['test']}), outside-margin "
+            f"p={_fmt(p_against)} ({below['test']}) at margin {_fmt(margin)}"
+        )
+        plans = [
+            n_for_binomial_side(lost / n, margin / span, alpha, POWER),
+            n_for_binomial_side(won / n, margin / span, alpha, POWER),
+        ]
+    if best >= alpha:
+        out.measured += (
+            f"; at n={n} the exact test cannot confirm whatever the data (best p {_fmt(best)}), only refute"
+        )
+    out.page_tests = [(rule.text, _two_sided(p_claim, p_against))]
+    if p_claim < alpha:
+        out.verdict = "reproduced"
+    elif p_against < alpha:
+        out.verdict = "evidence against"
+    else:
+        out.n_confirm = max(plans)
+        sd = float(d.std(ddof=1)) if n > 1 else 0.0
+        excess = (abs(float(d.mean())) if rule.kind == "equivalent" else -float(d.mean())) - margin
+        out.n_refute = n_for_difference(excess, sd, alpha / 2, POWER) if excess > 0 and sd > 0 else math.inf
+    return out
+
+
 def _bound_outcome(ctx: _Context, rule: Rule) -> Outcome:
-    """at_least / at_most on one arm, ratio on two: a one-sample t-test of ``x - bound`` (for a
-    ratio, of ``a - bound * b`` per pair), signed so that positive supports the claim."""
+    """at_least / at_most on one arm, ratio on two, signed so that positive supports the claim.
+
+    A bounded metric (a hit rate, a score) takes the exact bound of ``kvbench.stats.exact``
+    (``bounded_mean_p``: the exact binomial test for 0/1 values, Anderson's bound otherwise). An
+    unbounded one takes a one-sample t-test of ``x - bound`` (for a ratio, of ``a - bound * b`` per
+    pair, Fieller's linearization); with no spread at all (an accounting quantity that is the same
+    on every sample) there is no test and the constant is compared with the bound by arithmetic."""
     alpha, rng = ctx.alpha, ctx.rng(rule)
+    bounds = None
     if rule.kind == "ratio":
         (a, b), metric = ctx.paired(rule, rule.arms)
         x = rule.bound
@@ -790,6 +1128,8 @@ def _bound_outcome(ctx: _Context, rule: Rule) -> Outcome:
         estimate = float(a.mean() / b.mean()) if b.mean() != 0 else math.nan
         measured = f"mean {rule.arms[0]} / mean {rule.arms[1]} = {_fmt(estimate)}{_ci_text(ci)} {metric}"
         measured += f", n={a.size}, claim {rule.op} {_fmt(x)}"
+        holds = estimate >= x if rule.op == ">=" else estimate <= x
+        constant = _no_spread(a) and _no_spread(b)
     else:
         arm = rule.arms[0]
         metric = ctx.metric(rule, arm)
@@ -803,9 +1143,28 @@ def _bound_outcome(ctx: _Context, rule: Rule) -> Outcome:
         sign = ">=" if rule.kind == "at_least" else "<="
         measured = f"mean {metric} of {arm} = {_fmt(estimate)}{_ci_text(ci)}, n={values.size}"
         measured += f", claim {sign} {_fmt(bound)}"
-    p_support, p_against = _t_sides(d)
-    measured += f", one-sided t p={_fmt(p_support)} for the claim, {_fmt(p_against)} against"
-    out = Outcome(rule.text, "inconclusive", estimate, ci, int(d.size), measured=measured)
+        holds = estimate >= bound if rule.kind == "at_least" else estimate <= bound
+        bounds = metric_bounds(metric, values)
+        constant = _no_spread(values)
+    out = Outcome(rule.text, "inconclusive", estimate, ci, int(d.size))
+    if bounds is not None:
+        lo, hi = bounds
+        side = "greater" if rule.kind == "at_least" else "less"
+        other = "less" if side == "greater" else "greater"
+        p_support = bounded_mean_p(values, lo, hi, bound, side)
+        p_against = bounded_mean_p(values, lo, hi, bound, other)
+        test = "exact binomial" if is_binary(values, lo, hi) else "exact Anderson bound"
+        measured += f", {test} p={_fmt(p_support)} for the claim, {_fmt(p_against)} against"
+    elif constant:
+        out.arithmetic = True
+        out.measured = f"{measured}; {_constant_text(estimate, int(d.size))}"
+        out.verdict = "reproduced" if holds else "evidence against"
+        return out
+    else:
+        p_support, p_against = _t_sides(d)
+        measured += f", one-sided t p={_fmt(p_support)} for the claim, {_fmt(p_against)} against"
+    out.measured = measured
+    out.page_tests = [(rule.text, _two_sided(p_support, p_against))]
     if p_support < alpha:
         out.verdict = "reproduced"
     elif p_against < alpha:
@@ -827,13 +1186,15 @@ def _cliff_table(
     n_resamples: int,
 ) -> pd.DataFrame:
     """Every grid point of a family against the reference (``kvbench.stats.compare``: paired
-    sign-flip, Holm over the grid, TOST at the margin), one row per bit width."""
+    sign-flip, Holm over the grid, TOST at the margin, exact for a bounded metric), one row per
+    bit width."""
     if fam["bits"].isna().any() or fam.groupby("method")["bits"].nunique().gt(1).any():
         raise NotRun("every configuration of the family needs one bit width")
     if ref["method"].nunique() > 1:
         raise NotRun("the reference matches several configurations; narrow it")
     data = pd.concat([fam, ref])
     data = data.assign(_value=metric_values(data, metric)).dropna(subset=["_value"])
+    bounds = metric_bounds(metric, data["_value"].to_numpy())
     table = compare(
         data[["method", "bits", "_value", *PAIR_KEYS]],
         "_value",
@@ -845,10 +1206,33 @@ def _cliff_table(
         seed=seed,
         n_resamples=n_resamples,
         missing="intersect",
+        bounds=bounds,
     )
     if table.empty or table["n"].min() < 2:
         raise NotRun("fewer than 2 pairs with the reference at some grid point")
     return table
+
+
+def cliff_text(table: pd.DataFrame, cliff: Any) -> str:
+    """Where a grid places the cliff, saying only what its verdicts establish. Bracketed
+    ``(bad, ok]`` when the point above the first worse one is shown equivalent (or, without a
+    margin, when the grid holds no TOST at all); ``above BAD, upper end not located at this n`` when
+    the points above it are merely not shown worse (inconclusive: absence of evidence, not a
+    location); ``below the grid`` / ``above the grid`` when no point / the top point is worse."""
+    if cliff.first_bad_bits is None:
+        return "below the grid (no point worse)"
+    if cliff.last_ok_bits is None:
+        return "above the grid"
+    above = table[table["bits"] > cliff.first_bad_bits + 1e-9]
+    shown = above["verdict"].isin(["equivalent", "better"])
+    tested = "tost_p" in table and table["tost_p"].notna().any()
+    if shown.all() or not tested:
+        return cliff.interval
+    open_points = ", ".join(f"{b:g}" for b in above.loc[~shown, "bits"])
+    return (
+        f"above {cliff.first_bad_bits:g}, upper end not located at this n ({open_points} neither worse "
+        "nor shown equivalent)"
+    )
 
 
 def _grid_cannot_conclude(table: pd.DataFrame, alpha: float) -> str | None:
@@ -887,9 +1271,12 @@ def _cliff_outcome(ctx: _Context, rule: Rule) -> Outcome:
     high = table[table["bits"] >= hi - 1e-9]
     at_lo = table[table["bits"] <= lo + 1e-9].sort_values("bits").tail(1)
     grid = " ".join(f"{b:g}:{v}" for b, v in zip(table["bits"], table["verdict"], strict=True))
-    bracket = cliff.interval or ("below the grid" if cliff.first_bad_bits is None else "above the grid")
+    bracket = cliff_text(table, cliff)
     n, points = int(table["n"].min()), len(table)
-    out = Outcome(rule.text, "inconclusive", bracket, None, n)
+    out = Outcome(rule.text, "inconclusive", bracket, None, n, margin=margin)
+    out.page_tests = [
+        (f"{rule.text} at {b:g} bits", float(p)) for b, p in zip(table["bits"], table["p_value"], strict=True)
+    ]
     p_worst = float(table["p_holm"].min())
     out.measured = f"cliff {bracket} on {metric}, n={n} per point; {grid}; smallest Holm p={_fmt(p_worst)}"
     holds = (high["verdict"] == "equivalent") if margin is not None else (high["verdict"] != "worse")
@@ -942,7 +1329,16 @@ _EVALUATORS = {
     "ratio": _bound_outcome,
     "cliff_within": _cliff_outcome,
 }
-_ORDER = ("evidence against", "no effect at this power", "not run", "inconclusive", "reproduced")
+_ORDER = (
+    "evidence against",
+    "no effect at this power",
+    "not testable here",
+    "not run",
+    "inconclusive",
+    "reproduced",
+)
+_MARGIN_KINDS = ("not_worse", "equivalent", "cliff_within")
+MARGIN_FACTORS = (0.5, 2.0)
 
 
 @dataclass
@@ -986,7 +1382,15 @@ class ClaimResult:
 
     @property
     def measured(self) -> str:
-        return "; ".join(o.measured or f"{o.rule}: {o.reason}" for o in self.outcomes)
+        parts = []
+        for o in self.outcomes:
+            text = o.measured or f"{o.rule}: {o.reason}"
+            if o.measured and o.verdict == "not testable here" and o.reason:
+                text += f" ({o.reason})"
+            if not o.premise_free:
+                text += " [rests on the failed premise]"
+            parts.append(text)
+        return "; ".join(parts)
 
 
 def _at_floor(ctx: _Context, claim: Claim, model: str) -> str | None:
@@ -1014,17 +1418,26 @@ def _at_floor(ctx: _Context, claim: Claim, model: str) -> str | None:
 
 def _premise_failure(
     claim: Claim, frames: Mapping[str, pd.DataFrame], model: str, alpha: float, seed: int, n_resamples: int
-) -> tuple[str, str] | None:
-    """``(verdict, reason)`` when a premise fails (``premise not met here``) or cannot be checked
-    (``not run``); None when every premise holds."""
+) -> tuple[str, str, list[str] | None] | None:
+    """``(verdict, reason, rules)`` when a premise fails (``premise not met here``) or cannot be
+    checked (``not run``), ``rules`` being the rule texts that rest on it (None: all of them); None
+    when every premise holds."""
     for p in claim.premise:
         frame = frames.get(p["experiment"])
         sub = frame[frame["model"] == model] if frame is not None else None
         if sub is None or sub.empty:
-            return "not run", f"premise: no runs of {p['experiment']} on {model} to measure the cliff"
+            return (
+                "not run",
+                f"premise: no runs of {p['experiment']} on {model} to measure the cliff",
+                p.get("rules"),
+            )
         fam, ref = select(sub, p["family"]), select(sub, p["reference"])
         if fam.empty or ref.empty:
-            return "not run", f"premise: the family or reference matches no run of {p['experiment']}"
+            return (
+                "not run",
+                f"premise: the family or reference matches no run of {p['experiment']}",
+                p.get("rules"),
+            )
         plan = plan_of(sub)
         metric = plan["metric"]
         higher = (
@@ -1037,22 +1450,59 @@ def _premise_failure(
         try:
             table = _cliff_table(fam, ref, metric, bool(higher), margin, alpha, seed, n_resamples)
         except NotRun as err:
-            return "not run", f"premise: {p['experiment']}: {err}"
+            return "not run", f"premise: {p['experiment']}: {err}", p.get("rules")
         cliff = locate_cliff(table, bits_col="bits", verdict_col="verdict")
         bound = float(p["cliff_at_most"])
         bad_above = table[(table["bits"] >= bound - 1e-9) & (table["verdict"] == "worse")]
         if len(bad_above):
-            where = cliff.interval or "above the grid"
+            where = cliff_text(table, cliff)
+            where = f"at {where} bits" if where.startswith("(") else where
             return (
                 "premise not met here",
-                f"{p['why']}: {p['experiment']} places this model's cliff at {where} bits (worse than "
-                f"the reference at {', '.join(f'{b:g}' for b in bad_above['bits'])}), above {bound:g}",
+                f"{p['why']}: {p['experiment']} places this model's cliff {where} (worse than the "
+                f"reference at {', '.join(f'{b:g}' for b in bad_above['bits'])} bits), above {bound:g}",
+                p.get("rules"),
             )
         # a grid that cannot show any point worse would let every premise pass unexamined
         stuck = _grid_cannot_conclude(table, alpha)
         if stuck is not None:
-            return "not run", f"premise: {p['experiment']}: {stuck}, so the cliff is unknown"
+            return "not run", f"premise: {p['experiment']}: {stuck}, so the cliff is unknown", p.get("rules")
     return None
+
+
+def _sensitivity(ctx: _Context, rule: Rule, outcome: Outcome) -> None:
+    """The rule's verdict at half and at twice a margin kvbench chose (``MARGIN_FACTORS``), into
+    ``outcome.sensitivity``; a family rule's Holm step is not redone (margins are never in one)."""
+    if rule.kind not in _MARGIN_KINDS or ctx.claim.margin_source == "paper" or outcome.margin is None:
+        return
+    for factor in MARGIN_FACTORS:
+        margin = outcome.margin * factor
+        alt = replace(rule, kwargs={**rule.kwargs, "margin": margin})
+        try:
+            outcome.sensitivity[margin] = _EVALUATORS[rule.kind](ctx, alt).verdict
+        except NotRun:
+            outcome.sensitivity[margin] = "not run"
+
+
+def _apply_premise(result: ClaimResult, premise: tuple[str, str, list[str] | None]) -> None:
+    """A failed (or unchecked) premise sets the verdict of the rules resting on it; the claim is
+    still judged on every other rule: ``evidence against`` when one of them is, else the premise's
+    verdict. Every rule stays on the page with what it measured."""
+    verdict, reason, covered = premise
+    free = []
+    for o in result.outcomes:
+        if covered is None or o.rule in covered:
+            o.premise_free = False
+        else:
+            free.append(o)
+    against = [o for o in free if o.verdict == "evidence against"]
+    if against:
+        result.verdict = "evidence against"
+        result.reason = (
+            f"{'; '.join(o.rule for o in against)} (independent of the premise); premise: {reason}"
+        )
+    else:
+        result.verdict, result.reason = verdict, reason
 
 
 def evaluate_claims(
@@ -1067,6 +1517,7 @@ def evaluate_claims(
     ``kvbench.analysis.archive.load_archives`` or ``frames_from_runs`` give)."""
     results: list[ClaimResult] = []
     families: dict[str, list[Outcome]] = {}
+    premises: dict[int, tuple[str, str, list[str] | None]] = {}
     for claim in claims:
         if claim.untestable is not None:
             results.append(ClaimResult(claim, model, "not testable here", [], claim.untestable))
@@ -1086,25 +1537,32 @@ def evaluate_claims(
             except NotRun as err:
                 reason = str(err) + (f" ({claim.pending})" if claim.pending else "")
                 outcome = Outcome(rule.text, "not run", reason=reason)
+            outcome.signature = rule_signature(claim, rule)
             outcomes.append(outcome)
             if outcome.verdict == "pending":
                 families.setdefault(claim.family or claim.id, []).append(outcome)
+            elif outcome.verdict != "not run":
+                _sensitivity(ctx, rule, outcome)
         floor = _at_floor(ctx, claim, model)
         if floor is not None:
             results.append(ClaimResult(claim, model, "not testable here", outcomes, floor))
             continue
+        result = ClaimResult(claim, model, "", outcomes)
         premise = _premise_failure(claim, frames, model, alpha, seed, n_resamples)
         if premise is not None:
-            results.append(ClaimResult(claim, model, premise[0], outcomes, premise[1]))
-            continue
-        results.append(ClaimResult(claim, model, "", outcomes))
+            premises[id(result)] = premise
+        results.append(result)
     for members in families.values():
         _decide_family(members, alpha)
     for result in results:
-        if not result.verdict:
-            verdicts = {o.verdict for o in result.outcomes}
-            result.verdict = next(v for v in _ORDER if v in verdicts)
-            result.reason = "; ".join(o.reason for o in result.outcomes if o.reason)
+        if result.verdict:
+            continue
+        if id(result) in premises:
+            _apply_premise(result, premises[id(result)])
+            continue
+        verdicts = {o.verdict for o in result.outcomes}
+        result.verdict = next(v for v in _ORDER if v in verdicts)
+        result.reason = "; ".join(o.reason for o in result.outcomes if o.reason)
     return results
 
 
@@ -1163,8 +1621,102 @@ def claims_table(results: list[ClaimResult]) -> pd.DataFrame:
 
 
 def verdict_counts(results: list[ClaimResult]) -> str:
-    counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
-    return "; ".join(f"{v}: {n}" for v, n in counts.items())
+    """The verdicts counted, task-level claims apart from proxy ones: a proxy verdict (a stand-in
+    for the paper's quantity) is not a task-level reproduction and is not counted among them."""
+    task = [r for r in results if not r.claim.proxy]
+    proxy = [r for r in results if r.claim.proxy]
+    text = "; ".join(f"{v}: {sum(r.verdict == v for r in task)}" for v in VERDICTS)
+    if proxy:
+        counted = [
+            f"{v}: {sum(r.verdict == v for r in proxy)}"
+            for v in VERDICTS
+            if any(r.verdict == v for r in proxy)
+        ]
+        text += f" (task-level claims); in proxy, counted apart: {'; '.join(counted)}"
+    return text
+
+
+FDR_Q = 0.05
+
+
+def page_tests(results: list[ClaimResult]) -> pd.DataFrame:
+    """Every test on the page with its raw p-value and its Benjamini-Hochberg adjustment across the
+    whole page at ``FDR_Q``: one row per rule (its two one-sided p-values as one two-sided p,
+    ``2 min``) and one per grid point of a cliff rule (its two-sided sign-flip p); a test two papers
+    declare is counted once. Rules decided by arithmetic on a constant, and rules that did not run,
+    hold no test and are left out."""
+    rows, seen = [], set()
+    for r in results:
+        for o in r.outcomes:
+            if o.signature is not None and o.signature in seen:
+                continue  # the same test declared by another paper: counted once
+            seen.add(o.signature)
+            for label, pv in o.page_tests:
+                if pv is not None and not math.isnan(pv):
+                    rows.append(
+                        {
+                            "id": r.claim.id,
+                            "rule": o.rule,
+                            "test": label,
+                            "p": float(pv),
+                            "verdict": o.verdict,
+                        }
+                    )
+    frame = pd.DataFrame(rows, columns=["id", "rule", "test", "p", "verdict"])
+    adjusted, reject = benjamini_hochberg(frame["p"].to_numpy(dtype=float), FDR_Q)
+    return frame.assign(p_bh=adjusted, discovery=reject)
+
+
+def fdr_line(results: list[ClaimResult]) -> str:
+    """The page-wide false discovery line: how many of the page's tests are discoveries under
+    Benjamini-Hochberg at ``FDR_Q``, and which decided verdicts (reproduced, evidence against) rest
+    on a rule that is not one (per-claim Holm keeps them; across the page they may be chance)."""
+    tests = page_tests(results)
+    decided = {"reproduced", "evidence against"}
+    weak = sorted(
+        {
+            f"{row.id} ({row.rule})"
+            for row in tests.itertuples()
+            if row.verdict in decided and not row.discovery and row.test == row.rule
+        }
+    )
+    arithmetic = sorted({r.claim.id for r in results for o in r.outcomes if o.arithmetic})
+    line = (
+        f"Page-wide false discovery rate: Benjamini-Hochberg at q = {FDR_Q:g} over the {len(tests)} tests on "
+        f"this page (each rule's two one-sided p-values as one two-sided p; each cliff grid point's "
+        f"sign-flip p): {int(tests['discovery'].sum())} discoveries, beside each claim's own Holm. "
+    )
+    if weak:
+        line += f"Decided rules that are not discoveries across the page: {', '.join(weak)}."
+    else:
+        line += "Every decided rule is a discovery across the page."
+    if arithmetic:
+        line += f" Decided by arithmetic on a constant (no test): {', '.join(arithmetic)}."
+    return line
+
+
+def margin_table(results: list[ClaimResult]) -> pd.DataFrame:
+    """Each margin rule whose margin kvbench chose (``margin_source`` not ``paper``): its verdict at
+    half the margin, at the margin and at twice it."""
+    rows = []
+    for r in results:
+        for o in r.outcomes:
+            if not o.sensitivity or o.margin is None:
+                continue
+            half, double = (o.margin * f for f in MARGIN_FACTORS)
+            rows.append(
+                {
+                    "id": r.claim.id,
+                    "rule": o.rule,
+                    "margin": _fmt(o.margin),
+                    "at half": o.sensitivity.get(half, "-"),
+                    "as declared": o.verdict,
+                    "at twice": o.sensitivity.get(double, "-"),
+                }
+            )
+    return pd.DataFrame(
+        rows, columns=["id", "rule", "margin", "at half", "as declared", "at twice"], dtype=object
+    )
 
 
 def models_table(by_model: Mapping[str, list[ClaimResult]], first: str = DEFAULT_MODEL) -> pd.DataFrame:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvbench.stats.exact import paired_bounded_p
 from kvbench.stats.paired import (
     DEFAULT_RESAMPLES,
     PAIR_KEYS,
@@ -103,6 +104,7 @@ def compare(
     *,
     n_resamples: int = DEFAULT_RESAMPLES,
     missing: str = "raise",
+    bounds: tuple[float, float] | None = None,
 ) -> pd.DataFrame:
     """Compare every group of rows against the reference method, paired by (sample_id, seed).
 
@@ -113,13 +115,19 @@ def compare(
     ``ci_low``/``ci_high``, the percentile paired-bootstrap ``1 - alpha`` interval of mean(d);
     ``p_value``, the two-sided sign-flip p (exact for n <= 20 nonzero pairs); ``p_holm``, Holm-adjusted
     across all groups of this call; ``tost_p``, the paired-t TOST p for ``margin`` (NaN when
-    ``margin`` is None); ``cohens_dz``, ``win_rate``; and ``verdict`` (see ``verdict``): worse/better
+    ``margin`` is None, or when every pair differs by the same amount: no spread, no t);
+    ``cohens_dz``, ``win_rate``; and ``verdict`` (see ``verdict``): worse/better
     when ``p_holm < alpha`` and the CI excludes 0 on that side, else equivalent when
     ``tost_p < alpha``, else inconclusive.
 
     ``missing="raise"`` (default) rejects a group whose pairs differ from the reference's;
     ``missing="intersect"`` compares on the shared pairs only (the reference restricted per group).
     Resampling is seeded by ``seed`` and the group key, so results are reproducible.
+
+    ``bounds``: the metric's range ``(lo, hi)`` when it is bounded (a task score in [0, 1]); then
+    ``tost_p`` is the exact, tie-aware TOST of ``kvbench.stats.exact.paired_bounded_p`` (the larger
+    of the two exact binomial sides) instead of the paired t, which on tied 0/1 scores divides by a
+    zero spread. The sign-flip p is exact either way.
     """
     if missing not in ("raise", "intersect"):
         raise ValueError(f"missing must be 'raise' or 'intersect', got {missing!r}")
@@ -152,7 +160,16 @@ def compare(
         d = sign * (m - r)
         rng = _group_rng(seed, key)
         ci_low, ci_high = bootstrap_ci(d, level=1.0 - alpha, n_resamples=n_resamples, rng=rng)
-        tost_p = tost_equivalence(d, margin, alpha)["p"] if margin is not None and d.size else math.nan
+        if margin is None or not d.size:
+            tost_p = math.nan
+        elif bounds is not None:
+            span = float(bounds[1] - bounds[0])
+            tost_p = max(
+                paired_bounded_p(d, span, -margin, "greater")["p"],
+                paired_bounded_p(d, span, margin, "less")["p"],
+            )
+        else:
+            tost_p = tost_equivalence(d, margin, alpha)["p"]
         nan = math.nan
         rows.append(
             {

@@ -306,8 +306,10 @@ def tost_equivalence(
     freedom: ``p_lower = P(T >= (m + margin) / se)`` tests H0 ``mean <= -margin``; ``p_upper =
     P(T <= (m - margin) / se)`` tests H0 ``mean >= +margin``. ``p = max(p_lower, p_upper)`` and
     ``equivalent = p < alpha`` (both nulls rejected). Equivalent to the ``1 - 2 alpha`` t interval
-    lying inside the margins. With zero spread, ``p`` is 0 inside the margins and 1 outside;
-    with fewer than 2 pairs every p is NaN and ``equivalent`` is False.
+    lying inside the margins. With zero spread (every pair differs by the same amount) there is no
+    t statistic, and none is computed: every p is NaN and ``equivalent`` is False (a tie says
+    nothing about the pairs not run; ``kvbench.stats.exact`` has the tests for bounded scores);
+    likewise with fewer than 2 pairs.
     """
     if not margin > 0:
         raise ValueError(f"margin must be positive, got {margin}")
@@ -318,11 +320,9 @@ def tost_equivalence(
     mean = float(d.mean())
     se = float(d.std(ddof=1)) / math.sqrt(n)
     if se == 0:
-        p_lower = 0.0 if mean > -margin else 1.0
-        p_upper = 0.0 if mean < margin else 1.0
-    else:
-        p_lower = float(sps.t.sf((mean + margin) / se, df=n - 1))
-        p_upper = float(sps.t.cdf((mean - margin) / se, df=n - 1))
+        return {"p_lower": math.nan, "p_upper": math.nan, "p": math.nan, "equivalent": False}
+    p_lower = float(sps.t.sf((mean + margin) / se, df=n - 1))
+    p_upper = float(sps.t.cdf((mean - margin) / se, df=n - 1))
     p = max(p_lower, p_upper)
     return {"p_lower": p_lower, "p_upper": p_upper, "p": p, "equivalent": bool(p < alpha)}
 

@@ -37,7 +37,9 @@ def test_compare_verdicts_and_values():
     assert (out["n"] == 60).all()
     assert out.loc[("kivi", 2.0), "verdict"] == "worse"
     assert out.loc[("oracle", 4.0), "verdict"] == "better"
-    assert out.loc[("kivi", 4.0), "verdict"] == "equivalent"
+    # identical on every pair: no spread, so the t-based TOST computes nothing and cannot say
+    # "equivalent"; the near-identical method has a spread and is
+    assert out.loc[("kivi", 4.0), "verdict"] == "inconclusive" and np.isnan(out.loc[("kivi", 4.0), "tost_p"])
     assert out.loc[("near", 8.0), "verdict"] == "equivalent"
     expected = np.mean(variants[("kivi", 2.0)][0] - variants[("fp16", 16.0)][0])
     assert out.loc[("kivi", 2.0), "mean_diff"] == pytest.approx(expected)
@@ -79,3 +81,16 @@ def test_compare_is_seeded_and_checks_pairs():
     assert out.loc[("kivi", 2.0), "n"] == 59 and out.loc[("oracle", 4.0), "n"] == 60
     with pytest.raises(ValueError, match="reference method 'bf16'"):
         compare(df, "acc", reference="bf16")
+
+
+def test_compare_bounded_uses_the_exact_tie_aware_tost():
+    df, _ = _synthetic_results()
+    out = compare(df, "acc", margin=0.05, bounds=(0.0, 1.0)).set_index(["method", "bits"])
+    # 60 tied pairs: the exact binomial side gives 0.95 ** 60 = 0.046 < 0.05, so equivalent
+    assert out.loc[("kivi", 4.0), "tost_p"] == pytest.approx(0.95**60)
+    assert out.loc[("kivi", 4.0), "verdict"] == "equivalent"
+    # the same ties on fewer pairs cannot show it: 0.95 ** 40 = 0.13
+    few = df[df["sample_id"].isin([f"s{i}" for i in range(20)])]
+    small = compare(few, "acc", margin=0.05, bounds=(0.0, 1.0)).set_index(["method", "bits"])
+    assert small.loc[("kivi", 4.0), "tost_p"] == pytest.approx(0.95**40)
+    assert small.loc[("kivi", 4.0), "verdict"] == "inconclusive"
