@@ -298,7 +298,7 @@ def claims_markdown(model: str, results: list, frames: dict[str, pd.DataFrame] |
     """The generated verdict table of one model (``results/claims/<model>.md``), then, with the
     frames, what settling each inconclusive claim would cost and each node's size from its pilot
     against the CPU budget of a node (``kvbench.analysis.sizing``)."""
-    from kvbench.analysis.claims import claims_table, verdict_counts
+    from kvbench.analysis.claims import claims_table, fdr_line, margin_table, verdict_counts
     from kvbench.analysis.sizing import NODE_BUDGET_MIN, WORKING_DAY_H, node_sizing, sizing_table
 
     lines = [
@@ -314,12 +314,28 @@ def claims_markdown(model: str, results: list, frames: dict[str, pd.DataFrame] |
         "at the observed spread; `inf` where the data point the other way), `premise not met here` (a",
         "condition the paper presupposes fails on this model, e.g. its recipe's bit widths lie below this",
         "model's cliff), `not run`, `not testable here`. `in proxy`: the rule measures a stand-in for the",
-        "paper's quantity, and the rule column names the task-level claim beside it.",
+        "paper's quantity, and the rule column names the task-level claim beside it; proxy verdicts are",
+        "counted apart from task-level ones. Bounded scores (task scores, recall, hit rates) take exact,",
+        "tie-aware tests (`kvbench.stats.exact`): no p-value comes from a zero spread, and a rule whose",
+        "arms all sit at the ceiling or floor reads `not testable here` with that reason.",
         "",
         verdict_counts(results),
         "",
+        fdr_line(results),
+        "",
         tables.to_markdown(claims_table(results)).rstrip(),
     ]
+    margins = margin_table(results)
+    if len(margins):
+        lines += [
+            "",
+            "## Margins kvbench chose",
+            "",
+            "Each margin rule whose margin the project chose (not the paper), judged at half the margin,",
+            "at the margin and at twice it: a verdict that changes across them rests on the choice.",
+            "",
+            tables.to_markdown(margins).rstrip(),
+        ]
     if frames is not None:
         sizing = sizing_table(results, frames)
         lines += [

@@ -1459,8 +1459,8 @@ def _premise_failure(
             where = f"at {where} bits" if where.startswith("(") else where
             return (
                 "premise not met here",
-                f"{p['why']}: {p['experiment']} places this model's cliff {where} (worse than the "
-                f"reference at {', '.join(f'{b:g}' for b in bad_above['bits'])} bits), above {bound:g}",
+                f"{p['why']}: {p['experiment']} places this model's cliff {where}; it is worse than the "
+                f"reference at {', '.join(f'{b:g}' for b in bad_above['bits'])} bits, above {bound:g}",
                 p.get("rules"),
             )
         # a grid that cannot show any point worse would let every premise pass unexamined

@@ -23,6 +23,7 @@ ARMS = {
     "u4": {"label": "uniform-4b"},
     "u3": {"method": "uniform", "bits": 3},
     "ott": {"method": "ott", "bits": 2},
+    "u2": {"method": "uniform", "bits": 2},
 }
 CLIFF = {"experiment": EXPERIMENT, "family": {"method": "uniform"}, "reference": {"method": "fp16"}}
 
@@ -48,20 +49,21 @@ CLAIMS = [
     _claim("no-effect", 'better(fp16, ott, metric="noise", effect=0.5)'),
     _claim("open", 'better(fp16, ott, metric="noise", effect=0.1)'),
     # the synthetic uniform family is worse than fp16 at 2 bits only: its cliff is (2, 3]
+    # each claim its own test (one claim per distinct test): arms scoring fp16's score against 0
     _claim(
         "premise-fails",
-        "better(chan, tok)",
+        "better(u4, tok)",
         premise=[{"cliff_at_most": 2, "why": "the levels must lie above the cliff", **CLIFF}],
     ),
     _claim(
         "premise-holds",
-        "better(chan, tok)",
+        "better(u3, u2)",
         premise=[{"cliff_at_most": 3, "why": "the levels must lie above the cliff", **CLIFF}],
     ),
     {**{k: v for k, v in _claim("gpu", None).items() if k not in ("arms", "rule")}, "experiment": None}
     | {"untestable": "a GPU throughput claim"},
-    _claim("at-floor", "better(chan, tok)", floor={"arm": "fp16", "above": 0.99}),
-    _claim("proxy", "better(chan, tok)", proxy="an error stands in for accuracy", task_claim="yes"),
+    _claim("at-floor", "better(fp16, tok)", floor={"arm": "fp16", "above": 0.99}),
+    _claim("proxy", "better(chan, u2)", proxy="an error stands in for accuracy", task_claim="yes"),
 ]
 
 
@@ -148,10 +150,13 @@ def test_no_effect_says_which_effect_was_ruled_out(page):
 
 def test_premise_and_floor_reasons_are_measured(page):
     _, rows, _ = page
+    # 3 and 4 bits tie fp16 on all 24 pairs, which the exact TOST at margin 0.1 cannot call
+    # equivalent (0.9 ** 24 = 0.08): the cliff's upper end is not located, and the page says so
     assert (
-        "places this model's cliff at (2, 3] bits (worse than the reference at 2), above 2"
-        in (rows["premise-fails"]["rule"])
-    )
+        "places this model's cliff above 2, upper end not located at this n (3, 4 neither worse nor "
+        "shown equivalent); it is worse than the reference at 2 bits, above 2"
+    ) in rows["premise-fails"]["rule"]
+    assert "(2, 3]" not in rows["premise-fails"]["rule"]
     assert "fp16 scores 0.9167 on score over 24 samples on tiny" in rows["at-floor"]["rule"]
     assert rows["gpu"]["rule"] == "a GPU throughput claim"
     assert "task-level claim: yes" in rows["proxy"]["rule"]
@@ -170,7 +175,7 @@ def test_a_premise_whose_grid_cannot_conclude_is_not_taken_as_met(tmp_path):
     assert _premise_failure(claim, frames, "tiny", 0.05, 0, 300) is None  # 24 pairs per point
     # 3 samples x 2 seeds: the smallest two-sided Holm p over the 3 points is 3 x 2 / 2**6 = 0.094
     few = frame[frame["sample_id"].isin(["s00", "s01", "s02"])]
-    verdict, why = _premise_failure(claim, {EXPERIMENT: few}, "tiny", 0.05, 0, 300)
+    verdict, why, _ = _premise_failure(claim, {EXPERIMENT: few}, "tiny", 0.05, 0, 300)
     assert verdict == "not run"
     assert "n=6 pairs per point on a 3-point Holm grid: the smallest attainable p is 0.0938" in why
     assert "it needs 7 pairs per point, so the cliff is unknown" in why
@@ -179,9 +184,11 @@ def test_a_premise_whose_grid_cannot_conclude_is_not_taken_as_met(tmp_path):
 def test_the_page_counts_every_kind(page):
     _, _, text = page
     assert (
-        "reproduced: 3; evidence against: 1; no effect at this power: 1; inconclusive: 1; "
-        "premise not met here: 1; not run: 0; not testable here: 2"
+        "reproduced: 2; evidence against: 1; no effect at this power: 1; inconclusive: 1; "
+        "premise not met here: 1; not run: 0; not testable here: 2 (task-level claims); "
+        "in proxy, counted apart: reproduced: 1"
     ) in text
+    assert "Page-wide false discovery rate: Benjamini-Hochberg at q = 0.05" in text
 
 
 def test_a_second_model_gains_its_column(tmp_path):

@@ -78,18 +78,24 @@ CASES = [
     ("nw-yes", "not_worse(ott, fp16, margin=0.1)", "reproduced"),
     ("nw-no", "not_worse(u2, fp16, margin=0.1)", "evidence against"),
     # equivalent: both halves
-    ("eq-yes", "equivalent(u4, fp16, margin=0.1)", "reproduced"),
+    # u4 ties fp16 on all 24 pairs: the exact test confirms at margin 0.2 (0.8 ** 24), not at 0.1
+    # (0.9 ** 24 = 0.08: a tie on 24 pairs leaves room for 10 % of samples to differ)
+    ("eq-yes", "equivalent(u4, fp16, margin=0.2)", "reproduced"),
+    ("eq-ties-too-few", "equivalent(u4, fp16, margin=0.1)", "inconclusive"),
     ("eq-no", "equivalent(u2, fp16, margin=0.1)", "evidence against"),
     # cliff_within: uniform is equivalent to fp16 at 4 and 3 bits and worse at 2
-    ("cliff-yes", 'cliff_within(uniform, fp16, "(2, 3]")', "reproduced"),
-    ("cliff-too-low", 'cliff_within(uniform, fp16, "(3, 4]")', "evidence against"),
+    ("cliff-yes", 'cliff_within(uniform, fp16, "(2, 3]", margin=0.2)', "reproduced"),
+    ("cliff-unlocated", 'cliff_within(uniform, fp16, "(2, 3]")', "inconclusive"),
+    ("cliff-too-low", 'cliff_within(uniform, fp16, "(3, 4]", margin=0.2)', "evidence against"),
     ("cliff-too-high", 'cliff_within(uniform, fp16, "(1, 2]")', "evidence against"),
     ("cliff-off-grid", 'cliff_within(uniform, fp16, "(2, 2.5]")', "not run"),
-    ("cliff-holds-below", 'cliff_within(uniform, fp16, "(4, 5]")', "evidence against"),
+    ("cliff-holds-below", 'cliff_within(uniform, fp16, "(4, 5]", margin=0.2)', "evidence against"),
     # at_least / at_most: one-sample t-test against the bound
     ("al-yes", 'at_least(fp16, 0.9, metric="hit_rates.exact_topk.0.005")', "reproduced"),
     ("al-no", 'at_least(fp16, 0.99, metric="hit_rates.exact_topk.0.005")', "evidence against"),
-    ("am-yes", "at_most(h2o, 0.6)", "reproduced"),
+    # h2o's hit rate is 0.5 on every pair: the exact (distribution-free) bound shows <= 0.8, not <= 0.6
+    ("am-yes", "at_most(h2o, 0.8)", "reproduced"),
+    ("am-near", "at_most(h2o, 0.6)", "inconclusive"),
     # ratio: mean(a) / mean(b) against the bound, paired
     ("ratio-yes", 'ratio(fp16, u4, metric="effective_bits") >= 3.0', "reproduced"),
     ("ratio-no", 'ratio(fp16, u4, metric="effective_bits") >= 4.0', "evidence against"),
@@ -121,7 +127,7 @@ def test_estimates_are_computed_from_the_runs(frames):
         [
             _claim("a", "better(chan, tok)"),
             _claim("b", 'ratio(fp16, u4, metric="effective_bits") >= 3.0'),
-            _claim("c", 'cliff_within(uniform, fp16, "(2, 3]")'),
+            _claim("c", 'cliff_within(uniform, fp16, "(2, 3]", margin=0.2)'),
             _claim("d", 'at_least(fp16, 0.9, metric="hit_rates.exact_topk.0.005")'),
         ],
     )
@@ -371,9 +377,22 @@ def test_a_rule_that_can_never_reach_alpha_is_refused_at_declaration(tmp_path):
     assert min_p_sign_flip(6, 7, two_sided=True) == 7 * 2 / 64 and min_n_sign_flip(0.05, 7, True) == 9
     assert min_p_sign_flip(6, 3) == 3 / 64 and min_n_sign_flip(0.05, 4) == 7
     conf = REPO / "kvbench" / "conf"
+    # the node's margin (0.1) needs 29 tied pairs per point for the exact TOST: at 9 the cliff can
+    # only be refuted, which the claim must say (underpowered) or the declaration is refused
     write_paper(tmp_path, [_claim("cliff", 'cliff_within(uniform, fp16, "(2, 3]")')])
+    with pytest.raises(ClaimsError, match=r"best p 0.387 .*n=9 pairs\) no data can confirm it"):
+        load_claims(tmp_path, conf_dir=conf)
+    said = _claim("cliff", 'cliff_within(uniform, fp16, "(2, 3]")', underpowered="a CPU node")
+    write_paper(tmp_path, [said])
     assert load_claims(tmp_path, conf_dir=conf)
-    many = [_claim(f"c{i}", "better(chan, tok)", family="big") for i in range(60)]
+    # the same for an equivalence on a [0, 1] score, and never for an unbounded metric (t-test)
+    write_paper(tmp_path, [_claim("eq", "equivalent(u4, fp16, margin=0.1)")])
+    with pytest.raises(ClaimsError, match="exact binomial side at margin 0.1 on score"):
+        load_claims(tmp_path, conf_dir=conf)
+    write_paper(tmp_path, [_claim("eq", 'equivalent(u4, fp16, margin=0.1, metric="ppl")', underpowered="x")])
+    with pytest.raises(ClaimsError, match="every rule can confirm at n=9 pairs; remove the field"):
+        load_claims(tmp_path, conf_dir=conf)
+    many = [_claim(f"c{i}", f"better(chan, tok, effect={i + 1})", family="big") for i in range(60)]
     write_paper(tmp_path, many)
     with pytest.raises(ClaimsError, match=r"can never reach alpha=0.05 .* n=9 pairs .* needs n >= 11") as err:
         load_claims(tmp_path, conf_dir=conf)
