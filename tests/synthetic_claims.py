@@ -141,3 +141,49 @@ def write_paper(
 def shipped_tables(paper: str) -> list[dict[str, Any]]:
     """The tables of a shipped paper file, as written there."""
     return yaml.safe_load((PAPERS_DIR / f"{paper}.yaml").read_text()).get("tables") or []
+
+
+def write_arm_runs(
+    root: str | Path,
+    arms: list[tuple[str, dict[str, Any] | None, float | None, Any]],
+    samples: list[str],
+    seeds: tuple[int, ...] = (0,),
+    model: str = "tiny",
+) -> Path:
+    """Write runs of experiment ``EXPERIMENT`` whose arms are given like ``ARMS``: ``(label, method
+    node, bits, fields(i, seed) -> {"score": ..., "eff": ..., other numeric columns})``; returns
+    ``root``. For archives built around one case (every pair tied, an arm at the ceiling, no spread,
+    a single sample)."""
+    root = Path(root)
+    for label, method, bits, fields in arms:
+        for seed in seeds:
+            config = {
+                "task": {"name": "niah", "max_new_tokens": 8},
+                "model": {"name": model},
+                "method": method,
+                "bits": bits,
+                "seed": seed,
+                "analysis": PLAN,
+            }
+            rid = run_id(config)
+            folder = RunFolder(root / EXPERIMENT / model / label / f"seed{seed}-{rid}")
+            folder.write_config({**config, "run_id": rid})
+            for i, sample in enumerate(samples):
+                values = dict(fields(i, seed))
+                eff = values.pop("eff", 16.0)
+                row = {
+                    "sample_id": sample,
+                    "seed": seed,
+                    "task": "niah",
+                    "model": model,
+                    "method": label,
+                    "bits": bits,
+                    "prediction": f"answer {i}",
+                    "stopped": True,
+                    "generated_tokens": 3,
+                    "memory": {"effective_bits": eff},
+                    **{k: float(v) for k, v in values.items()},
+                }
+                folder.append(row)
+            folder.write_metrics({"run_id": rid, "primary_metric": "score", "method": label})
+    return root
