@@ -127,8 +127,15 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("prefill", ["alone", "batch"])
-@pytest.mark.parametrize(("case", "lengths"), CASES)
+# each prompt prefilled alone (what the tasks run) for every case; the padded batched prefill for
+# every registered method at ragged lengths
+PREFILLS = [
+    *(pytest.param(*p.values, "alone", id=f"{p.id}-alone") for p in CASES),
+    *(pytest.param(m, RAGGED, "batch", id=f"{m}-ragged-batch") for m in METHODS.names()),
+]
+
+
+@pytest.mark.parametrize(("case", "lengths", "prefill"), PREFILLS)
 def test_batch_equals_alone(llama, case, lengths, prefill):
     runner = runner_for(llama, node_for(case))
     alone = assert_batch_equals_alone(runner, prompts_of(lengths), prefill=prefill)
