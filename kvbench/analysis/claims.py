@@ -59,9 +59,29 @@ the claim's ``paper``; a claim does not name it).
   ``scripts/check_claim_sources.py`` finds it, the ``where`` and the ``published`` numbers in
   ``../shared/papers`` and records the excerpts in ``tests/fixtures/claim_sources.json``;
   ``where: summary`` when the document names no section, table or figure;
-- ``note``: optional text.
+- ``note``: optional text;
+- ``underpowered``: why the node stays at a size where a margin or bound rule can only refute (the
+  exact test's best p at the node's n is not below alpha, ``best_case_p``); required then, refused
+  otherwise;
+- ``margin_source``: ``paper`` when the margins are the paper's own numbers; otherwise (default
+  ``kvbench``) the page gives each margin rule's verdict at half and twice the margin;
+- a premise item may name ``rules``: the claim's rule texts that rest on it (default: all). A failed
+  premise sets only those; the claim is still judged on the others (``evidence against`` when one
+  of them is) and every rule stays on the page.
 
-``measured``, ``verdict`` and ``source`` are rejected: they are outputs.
+``measured``, ``verdict`` and ``source`` are rejected: they are outputs. No two claims of a paper
+may declare the same test (``rule_signature``: node, arms, metric, rule).
+
+Bounded metrics (``BOUNDED_METRICS``: task scores, recall, hit rates in [0, 1]) take the exact,
+tie-aware tests of ``kvbench.stats.exact`` in the margin and bound rules (the sign-flip test of
+``better`` is already exact: on 0/1 scores it is the sign test on McNemar's discordant pairs). No
+rule computes a t statistic from a zero spread: an unbounded quantity that is the same on every
+pair (an accounting figure) is compared with its bound by arithmetic, and says so. When every arm
+of a rule sits at the same bound (``ceiling: all arms at 1.0 ...``), or the claim's side is out of
+reach because one arm does (``better(a, b)`` with b at the ceiling), the rule reads ``not testable
+here`` with that reason, never ``no effect``. ``page_tests`` / ``fdr_line`` give the page-wide
+Benjamini-Hochberg line; ``margin_table`` the margin sensitivity; ``verdict_counts`` counts proxy
+verdicts apart from task-level ones.
 
 Verdicts (``VERDICTS``), per rule: ``reproduced`` when the rule's test rejects in the claim's
 direction at ``alpha``; ``evidence against`` when the test in the opposite direction rejects (a
