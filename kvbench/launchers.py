@@ -13,7 +13,19 @@ submission, and change what happens around a point:
 - on the submitting side, the launcher waits for every point, prints one line per failed point as
   it fails (naming its log file), then the summary table of all points, and exits 2 when every
   failure was a user error, 1 otherwise;
-- Slurm job states come from ``squeue``, which needs no accounting, so no ``sacct`` is called.
+- Slurm job states come from ``squeue``, which needs no accounting, so no ``sacct`` is called;
+- ``hydra.launcher.points_per_job`` (default 1: a job per point) lets one job hold several points
+  that share model and task (their composed ``model`` and ``task`` nodes are equal), run one after
+  another in one process. A process keeps what its points share (the loaded model, each prompt's
+  prefill, KVQuant's calibration: :func:`kvbench.builder.load_kept`, :mod:`kvbench.cache.prefill`),
+  so a group loads the model once and prefills each prompt once, as Hydra's basic launcher does for
+  a whole sweep. ``auto`` puts all the points that share model and task in one job. Each point of
+  a group is still a point of its own: its own Hydra job folder and number, its own one-line failure
+  (which does not stop the group's other points), its own row in the summary. The job saves each
+  point's result as the point ends (``<job>_point<N>_result.pkl`` beside submitit's result), so the
+  sweep's terminal reports points as they finish and a job ended by the scheduler loses only the
+  points it had not finished; on a timeout it requeues the points it has not finished, which skip
+  every sample already done. ``timeout_min`` and ``array_parallelism`` count jobs, not points.
 
 :func:`register` puts them under the plugin's own names (``hydra/launcher=submitit_local`` and
 ``submitit_slurm``; ``kvbench/conf/hydra/launcher/slurm*.yaml`` build on the latter).
@@ -90,8 +102,112 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "no message"
 
 
+POINTS_PER_JOB = "hydra.launcher.points_per_job"
+
+
+def points_per_job(value: Any) -> int | str:
+    """The knob's value checked: a whole number of points at least 1, or ``auto``; else ConfigError."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ConfigError(
+        POINTS_PER_JOB,
+        value,
+        "a whole number at least 1 (1: a job per point; N: up to N points that share model and task "
+        "in one job), or auto (one job for all the points that share model and task)",
+    )
+
+
+def group_points(keys: Sequence[Any], per_job: int | str) -> list[list[int]]:
+    """The sweep's points (by position) grouped into jobs: points with equal keys (model and task),
+    in sweep order, at most ``per_job`` of them (``auto``: all); jobs ordered by their first point."""
+    by_key: dict[Any, list[int]] = {}
+    for position, key in enumerate(keys):
+        by_key.setdefault(key, []).append(position)
+    groups = []
+    for members in by_key.values():
+        size = len(members) if per_job == "auto" else int(per_job)
+        groups += [members[start : start + size] for start in range(0, len(members), size)]
+    return sorted(groups, key=lambda group: group[0])
+
+
+def point_result_path(result_pickle: Path, num: int) -> Path:
+    """Where a job holding several points saves point ``num``'s JobReturn as the point ends."""
+    stem = result_pickle.name.removesuffix("_result.pkl")
+    return result_pickle.with_name(f"{stem}_point{num}_result.pkl")
+
+
+def _job_result_pickle() -> Path:
+    """submitit's result file of the job this process runs."""
+    import submitit
+
+    return Path(submitit.JobEnvironment().paths.result_pickle)
+
+
+class PointGroup:
+    """What a job holding several points runs: each point through the launcher's own ``__call__``,
+    one after another, each point's JobReturn saved as it ends; returns them by point number."""
+
+    def __init__(self, launcher: _SweepLauncher):
+        self.launcher = launcher
+        self._done: list[int] = []
+
+    def __call__(self, points: list[tuple]) -> dict[int, JobReturn]:
+        returns = {}
+        for count, args in enumerate(points, 1):
+            overrides, num = args[0], args[2]
+            print(
+                f"kvbench: point #{num} ({count} of {len(points)} in this job): "
+                f"{' '.join(filter_overrides(overrides)) or '-'}",
+                file=sys.stderr,
+                flush=True,
+            )
+            returns[num] = ret = self._run(args)
+            self._save(ret, num)
+            self._done.append(num)
+        return returns
+
+    def _run(self, args: tuple) -> JobReturn:
+        try:
+            return self.launcher(*args)
+        except Exception as exc:  # raised outside the point's task (composing its config): this point only
+            if isinstance(exc, ConfigError):
+                print(f"kvbench: error: {exc}", file=sys.stderr)
+                error = PointError(str(exc), user_error=True)
+            else:
+                traceback.print_exc(file=sys.stderr)
+                error = PointError(_last_line(f"{type(exc).__name__}: {exc}"), user_error=False)
+            return JobReturn(overrides=list(args[0]), status=JobStatus.FAILED, _return_value=error)
+
+    @staticmethod
+    def _save(ret: JobReturn, num: int) -> None:
+        import cloudpickle
+
+        try:
+            path = point_result_path(_job_result_pickle(), num)
+            tmp = path.with_name(f"{path.name}.tmp")
+            with tmp.open("wb") as out:
+                cloudpickle.dump(ret, out)
+            os.replace(tmp, path)  # whole or not at all: the submitting side polls for it
+        except Exception as err:  # the job's own result still carries it
+            print(f"kvbench: point #{num}: its result could not be saved early ({err})", file=sys.stderr)
+
+    def checkpoint(self, points: list[tuple]) -> Any:
+        """On a timeout or preemption: requeue the points not finished (finished samples are skipped)."""
+        import submitit
+
+        left = [args for args in points if args[2] not in self._done]
+        return submitit.helpers.DelayedSubmission(PointGroup(self.launcher), left)
+
+
 class _SweepLauncher(plugin.BaseSubmititLauncher):
     """Shared by the local and the Slurm launcher; subclasses say how a job's state is read."""
+
+    def __init__(self, **params: Any) -> None:
+        # kvbench's own knob: not a submitit parameter (checked when the sweep is launched)
+        self.points_per_job = params.pop("points_per_job", 1)
+        super().__init__(**params)
 
     # -- in the job ---------------------------------------------------------------------------------
 
@@ -163,6 +279,11 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and job_overrides
+        try:
+            per_job = points_per_job(self.points_per_job)
+        except ConfigError as err:
+            print(f"kvbench: error: {err}", file=sys.stderr)
+            sys.exit(2)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         if "mode" in self.config.hydra.sweep:
@@ -174,20 +295,36 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
             self.params["name"] = job_name(self.config, job_overrides)
         executor = self._executor()
         state = Singleton.get_state()
-        jobs = executor.map_array(
-            self,
-            [list(o) for o in job_overrides],
-            ["hydra.sweep.dir"] * len(indices),
-            indices,
-            [f"job_id_for_{i}" for i in indices],
-            [state] * len(indices),
-        )
+        slots: list[tuple[Any, int | None]]  # each point's job, and its number where the job holds a group
+        if per_job == 1:
+            jobs = executor.map_array(
+                self,
+                [list(o) for o in job_overrides],
+                ["hydra.sweep.dir"] * len(indices),
+                indices,
+                [f"job_id_for_{i}" for i in indices],
+                [state] * len(indices),
+            )
+            slots = [(job, None) for job in jobs]
+            held = ""
+        else:
+            points = [
+                (list(o), "hydra.sweep.dir", i, f"job_id_for_{i}", state)
+                for o, i in zip(job_overrides, indices, strict=True)
+            ]
+            groups = group_points(self._share_keys(job_overrides), per_job)
+            jobs = executor.map_array(PointGroup(self), [[points[k] for k in group] for group in groups])
+            slots = [(None, None)] * len(points)
+            for job, group in zip(jobs, groups, strict=True):
+                for k in group:
+                    slots[k] = (job, indices[k])
+            held = f" in {len(jobs)} job{'s' if len(jobs) > 1 else ''} (points_per_job={per_job})"
         log.info(
-            f"{len(jobs)} points submitted ({self._EXECUTOR}, job {jobs[0].job_id.split('_')[0]}); "
+            f"{len(slots)} points submitted{held} ({self._EXECUTOR}, job {jobs[0].job_id.split('_')[0]}); "
             f"sweep folder {sweep_dir}"
         )
         try:
-            outcomes = self._wait(jobs, indices, labels)
+            outcomes = self._wait(slots, indices, labels)
         except KeyboardInterrupt:
             # A traceback would say nothing useful: say what goes on and how to pick the sweep up.
             where = ""
@@ -207,30 +344,47 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
             sys.exit(2 if all(e.user_error for e in failed) else 1)
         return [o.job_return for o in outcomes]
 
-    def _wait(self, jobs: list[Any], indices: list[int], labels: list[str]) -> list[Outcome]:
-        from submitit.core.utils import pickle_load
+    def _share_keys(self, job_overrides: Sequence[Sequence[str]]) -> list[str]:
+        """Each point's model and task as composed for it (what a job's points must share to share
+        work); a point whose config does not compose gets a key of its own (its job says why)."""
+        import json
 
+        from omegaconf import OmegaConf
+
+        keys = []
+        for position, overrides in enumerate(job_overrides):
+            try:
+                assert self.hydra_context is not None and self.config is not None
+                cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                nodes = [OmegaConf.select(cfg, name) for name in ("model", "task")]
+                try:
+                    parts = [
+                        OmegaConf.to_container(n, resolve=True) if n is not None else None for n in nodes
+                    ]
+                except Exception:  # an interpolation only a job can resolve: compare them unresolved
+                    parts = [OmegaConf.to_container(n) if n is not None else None for n in nodes]
+                keys.append(json.dumps(parts, sort_keys=True, default=str))
+            except Exception:
+                keys.append(f"alone #{position}")
+        return keys
+
+    def _wait(
+        self, slots: list[tuple[Any, int | None]], indices: list[int], labels: list[str]
+    ) -> list[Outcome]:
+        jobs = list({job.job_id: job for job, _ in slots}.values())
         outcomes: dict[int, Outcome] = {}
-        ended_at: dict[int, float] = {}
+        ended_at: dict[str, float] = {}
         started = time.monotonic()
-        while len(outcomes) < len(jobs):
+        while len(outcomes) < len(slots):
             states = self._states(jobs)
-            for k, job in enumerate(jobs):
+            for k, (job, num) in enumerate(slots):
                 if k in outcomes:
                     continue
-                outcome = None
-                if job.paths.result_pickle.exists():
-                    kind, value = pickle_load(job.paths.result_pickle)
-                    if kind == "success" and value.status == JobStatus.COMPLETED:
-                        outcome = Outcome(value, "COMPLETED")
-                    elif kind == "success":
-                        outcome = Outcome(value, "FAILED", value._return_value)
-                    else:  # raised outside the task (e.g. composing the point's config in the job)
-                        outcome = Outcome(None, "FAILED", PointError(_last_line(value), user_error=False))
-                elif states.get(job.job_id) is not None:
-                    ended_at.setdefault(k, time.monotonic())
+                outcome = _returned(job, num)
+                if outcome is None and states.get(job.job_id) is not None:
+                    ended_at.setdefault(job.job_id, time.monotonic())
                     grace = RESULT_GRACE_S.get(str(states[job.job_id]), OTHER_GRACE_S)
-                    if time.monotonic() - ended_at[k] > grace:
+                    if time.monotonic() - ended_at[job.job_id] > grace:
                         state = states[job.job_id]
                         outcome = Outcome(None, state, PointError(f"ended by the scheduler ({state})", False))
                 if outcome is None:
@@ -241,10 +395,10 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
                         outcome.error.message = _user_error_in(job.paths.stderr)
                     print(_failure_line(indices[k], labels[k], outcome), file=sys.stderr, flush=True)
                 outcomes[k] = outcome
-            if len(outcomes) < len(jobs):
+            if len(outcomes) < len(slots):
                 # Every second at first, then less often: a long sweep should not hammer the scheduler.
                 time.sleep(min(30.0, 1.0 + (time.monotonic() - started) / 60))
-        return [outcomes[k] for k in range(len(jobs))]
+        return [outcomes[k] for k in range(len(slots))]
 
     def _states(self, jobs: list[Any]) -> dict[str, str | None]:
         """Job id -> its final state once it has ended without a result, else None (still active)."""
@@ -266,6 +420,33 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
             row["log"] = outcome.log_file
             rows.append(row)
         print(format_table(rows), flush=True)
+
+
+def _outcome(value: JobReturn) -> Outcome:
+    if value.status == JobStatus.COMPLETED:
+        return Outcome(value, "COMPLETED")
+    return Outcome(value, "FAILED", value._return_value)
+
+
+def _returned(job: Any, num: int | None) -> Outcome | None:
+    """A point's outcome from what its job wrote, or None while there is nothing yet. ``num``: the
+    point's number in a job that holds several (None: the job is the point)."""
+    from submitit.core.utils import pickle_load
+
+    if num is not None:
+        saved = point_result_path(Path(job.paths.result_pickle), num)
+        if saved.exists():
+            return _outcome(pickle_load(saved))
+    if not job.paths.result_pickle.exists():
+        return None
+    kind, value = pickle_load(job.paths.result_pickle)
+    if kind != "success":  # raised outside the task (e.g. composing the point's config in the job)
+        return Outcome(None, "FAILED", PointError(_last_line(value), user_error=False))
+    if num is not None:
+        value = value.get(num) if isinstance(value, dict) else None
+        if value is None:
+            return Outcome(None, "FAILED", PointError("its job ended without running it", user_error=False))
+    return _outcome(value)
 
 
 def _user_error_in(log_file: Path) -> str:
@@ -369,11 +550,13 @@ PLUGIN_MODULE = "hydra_plugins.kvbench_launcher"
 @dataclass
 class _LocalConf(LocalQueueConf):
     _target_: str = f"{PLUGIN_MODULE}.KvbenchLocalLauncher"
+    points_per_job: Any = 1  # an int at least 1, or auto (checked by points_per_job())
 
 
 @dataclass
 class _SlurmConf(SlurmQueueConf):
     _target_: str = f"{PLUGIN_MODULE}.KvbenchSlurmLauncher"
+    points_per_job: Any = 1
 
 
 def register() -> None:
