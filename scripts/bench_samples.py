@@ -159,6 +159,25 @@ def bench(task: str, node: str, overrides: list[str], jobs: int | None, reps: in
     return out
 
 
+def markdown(results: list[dict]) -> str:
+    """The suite's table in markdown, with the total over all nodes (samples per CPU-hour of all the
+    suite's samples in the wall time of all its nodes, each mode)."""
+    cols = ["task", "node", "arms", "samples", "separate_s", "shared_s", "separate_per_cpu_h",
+            "shared_per_cpu_h", "speedup", "rows_identical", "same_prediction", "max_abs_diff"]  # fmt: skip
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in results:
+        lines.append("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    samples = sum(int(r["samples"]) for r in results)
+    threads = int(results[0]["threads"])
+    sep, shared = (sum(float(r[f"{m}_s"]) for r in results) for m in ("separate", "shared"))
+    per_h = {m: samples * 3600 / (w * threads) for m, w in (("separate", sep), ("shared", shared))}
+    lines.append(
+        f"| all | {len(results)} nodes | | {samples} | {sep:.1f} | {shared:.1f} | {per_h['separate']:.1f} | "
+        f"{per_h['shared']:.1f} | {sep / shared:.2f} | | | |"
+    )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--node", help="one experiment node (else --suite)")
@@ -167,7 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suite", type=Path, help="run the suite of the module and write its CSV here")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--table", type=Path, help="print the markdown table of a suite CSV written before")
     args = p.parse_args(argv)
+    if args.table is not None:
+        with args.table.open() as f:
+            print(markdown(list(csv.DictReader(f))), end="")
+        return 0
     torch.set_num_threads(args.threads)
     if args.suite is None and args.node is None:
         p.error("--node NAME or --suite CSV")
@@ -182,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             w = csv.DictWriter(f, fields)
             w.writeheader()
             w.writerows(results)
+        print(markdown(results), end="")
     total = {m: sum(r["samples"] * 3600 / r[f"{m}_s"] for r in results) for m in ("separate", "shared")}
     print(f"all nodes: {sum(r['samples'] for r in results)} samples per mode", file=sys.stderr)
     time_sep = sum(r["separate_s"] for r in results)
