@@ -8,8 +8,9 @@ from kvbench import launchers as _launchers
 
 
 class KvbenchLocalLauncher(_launchers.LocalSweepLauncher):
-    """``hydra/launcher=submitit_local``: each point a local process."""
+    """``hydra/launcher=submitit_local``: each point (or group of ``points_per_job``) a local process."""
 
 
 class KvbenchSlurmLauncher(_launchers.SlurmSweepLauncher):
-    """``hydra/launcher=submitit_slurm``, ``slurm``, ``slurm_cpu``: each point a task of a Slurm job array."""
+    """``hydra/launcher=submitit_slurm``, ``slurm``, ``slurm_cpu``: each point (or group of
+    ``points_per_job``) a task of a Slurm job array."""
