@@ -525,3 +525,30 @@ def test_submitit_local_runs_a_group_in_one_process(tmp_path):
     )
     log = failures[0].rsplit("[log: ", 1)[1].rstrip("]")
     assert "point #1 (2 of 2 in this job)" in Path(log).read_text()  # #1 ran after #0, in its job
+
+
+def test_points_share_a_job_when_their_composed_model_and_task_agree():
+    # Hydra's own loader on kvbench's configs: bits and the method arm leave model and task as they
+    # are; another task, another model, or a point that does not compose, each a job of its own.
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.types import RunMode
+
+    register()
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(CONF_DIR))
+    launcher = LocalSweepLauncher()
+    launcher.config = loader.load_configuration(
+        "config", overrides=["hydra/launcher=submitit_local"], run_mode=RunMode.MULTIRUN
+    )
+    launcher.hydra_context = SimpleNamespace(config_loader=loader)
+    sweep = [
+        ["+method=kivi", "bits=2"],
+        ["+method=kivi", "task=perplexity"],
+        ["+method=kivi", "bits=4"],
+        ["+method=uniform", "bits=2"],
+        ["+method=kivi", "model=llama3.1-8b-instruct"],
+        ["+method=no_such_method"],
+    ]
+    keys = launcher._share_keys(sweep)
+    assert group_points(keys, "auto") == [[0, 2, 3], [1], [4], [5]]
+    assert group_points(keys, 2) == [[0, 2], [1], [3], [4], [5]]

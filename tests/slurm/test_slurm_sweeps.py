@@ -292,3 +292,38 @@ def test_requeued_job_resumes_from_its_samples(slurm_cluster, tmp_path):
     assert timings["samples_run"] >= 1
     assert timings["samples_resumed"] + timings["samples_run"] == len(DEPTHS)
     assert "COMPLETED" in (tmp_path / "driver.out").read_text()
+
+
+def test_points_per_job_runs_a_group_in_one_job_that_loads_the_model_once(
+    slurm_cluster, tmp_path, haystack_only_root
+):
+    """Three points, two per job: an array of two tasks. The first point fails after the model
+    loaded; the second, in the same job, still runs and finds the model loaded; the third, alone in
+    its job, loads it. Each point has its own row and the failure its own line."""
+    args = [
+        "-m",
+        "+method=kvquant,kivi,uniform",
+        "bits=2",
+        f"data.root={haystack_only_root}",
+        "hydra/launcher=slurm_cpu",
+        "hydra.launcher.points_per_job=2",
+        "task.depths=[50]",
+        *TINY,
+    ]
+    try:
+        proc = run(args, tmp_path)
+    finally:
+        cancel_all(tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (script,) = tmp_path.glob("results/runs/.hydra/multirun-*/.submitit/*/*_submission.sh")
+    assert re.search(r"^#SBATCH --array=0-1%", script.read_text(), re.M), script.read_text()
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("kvbench:")]
+    assert len(errors) == 1 and errors[0].startswith("kvbench: error: point #0 (+method=kvquant): "), errors
+    table = {line.split()[0]: line for line in proc.stdout.splitlines() if line[:1].isdigit()}
+    assert sorted(table) == ["0", "1", "2"]
+    assert "FAILED" in table["0"] and "COMPLETED" in table["1"] and "COMPLETED" in table["2"]
+    reused = {
+        key.split("/")[0]: json.loads((folder / "metrics.json").read_text())["timings"]["model_reused"]
+        for key, folder in run_folders(tmp_path).items()
+    }
+    assert reused == {"kivi-2b": True, "uniform-2b": False}
