@@ -77,11 +77,12 @@ OTHER_GRACE_S = 2.0
 
 
 class PointError(Exception):
-    """A failed sweep point, as the job reports it: one line, and whether it is a user error."""
+    """A failed sweep point, as the job reports it: one line, and whether it is a user error
+    (``exit_code``: the status the point's run exited with, where it exited)."""
 
-    def __init__(self, message: str, user_error: bool):
-        super().__init__(message, user_error)
-        self.message, self.user_error = message, user_error
+    def __init__(self, message: str, user_error: bool, exit_code: int | str | None = None):
+        super().__init__(message, user_error, exit_code)
+        self.message, self.user_error, self.exit_code = message, user_error, exit_code
 
     def __str__(self) -> str:
         return self.message
@@ -164,6 +165,11 @@ class PointGroup:
                 flush=True,
             )
             returns[num] = ret = self._run(args)
+            error = ret._return_value if ret.status == JobStatus.FAILED else None
+            if isinstance(error, PointError) and error.exit_code is not None:
+                # The job is being ended (Ctrl-C, SIGTERM, submitit's requeue on a timeout): this
+                # point and the rest are not run here; a requeued job runs them (checkpoint()).
+                sys.exit(error.exit_code)
             self._save(ret, num)
             self._done.append(num)
         return returns
@@ -232,7 +238,8 @@ class _SweepLauncher(plugin.BaseSubmititLauncher):
                 # Exit status 2 is a user error whose one line went to the log; the driver reads it there.
                 error = PointError("", user_error=True)
             else:
-                error = PointError(f"exited with status {stop.code}", user_error=False)
+                code = 0 if stop.code is None else stop.code
+                error = PointError(f"exited with status {code}", user_error=False, exit_code=code)
             return JobReturn(overrides=sweep_overrides, status=JobStatus.FAILED, _return_value=error)
         if ret.status == JobStatus.FAILED:
             exc = ret._return_value

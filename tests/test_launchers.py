@@ -552,3 +552,25 @@ def test_points_share_a_job_when_their_composed_model_and_task_agree():
     keys = launcher._share_keys(sweep)
     assert group_points(keys, "auto") == [[0, 2, 3], [1], [4], [5]]
     assert group_points(keys, 2) == [[0, 2], [1], [3], [4], [5]]
+
+
+def test_a_job_being_ended_stops_its_group_and_keeps_the_rest_for_the_requeue(tmp_path, monkeypatch):
+    # SIGTERM (143) or submitit's requeue (-1) inside a point ends the job, not just the point.
+    import kvbench.launchers as launchers
+
+    def ended(self, sweep_overrides, *args):
+        if sweep_overrides == ["bits=3"]:
+            sys.exit(143)
+        return fake_point(self, sweep_overrides, *args)
+
+    CURRENT.clear()
+    monkeypatch.setattr(launchers, "_job_result_pickle", lambda: tmp_path / "9_0_0_result.pkl")
+    monkeypatch.setattr(PLUGIN_LAUNCHER, "__call__", ended)
+    group = PointGroup(LocalSweepLauncher())
+    points = [(["bits=2"], "d", 0, "", {}), (["bits=3"], "d", 1, "", {}), (["bits=4"], "d", 2, "", {})]
+    with pytest.raises(SystemExit) as stop:
+        group(points)
+    assert stop.value.code == 143
+    assert [values["bits"] for values in CURRENT["ran"]] == ["2"]  # bits=4 never started
+    assert [p.name for p in tmp_path.glob("*_point*")] == ["9_0_0_point0_result.pkl"]
+    assert [args[2] for args in group.checkpoint(points).args[0]] == [1, 2]
