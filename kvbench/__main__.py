@@ -507,6 +507,11 @@ def cli(argv: list[str]) -> None:
     """``python -m kvbench ARGS``: check everything, then hand the command line to Hydra."""
     verbose = "--verbose" in argv or os.environ.get("HYDRA_FULL_ERROR") == "1"
     argv = [a for a in argv if a != "--verbose"]
+    from kvbench.launchers import register
+
+    # hydra/launcher=submitit_* report a sweep on this terminal and take kvbench's knobs
+    # (points_per_job): registered before the checks compose the launcher node
+    register()
     try:
         check_argv(argv)
         preflight(argv)
@@ -516,9 +521,6 @@ def cli(argv: list[str]) -> None:
         print(f"kvbench: error: {err}", file=sys.stderr)
         sys.exit(2)
     sys.argv = [sys.argv[0], *argv]
-    from kvbench.launchers import register
-
-    register()  # hydra/launcher=submitit_* report a sweep on this terminal (kvbench/launchers.py)
     main()
 
 

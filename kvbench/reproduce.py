@@ -557,6 +557,10 @@ def node_command(name: str, launcher: str | None, overrides: Sequence[str]) -> l
     cmd = [sys.executable, "-m", "kvbench", "-m", f"+experiment={name}"]
     if launcher:
         cmd.append(f"hydra/launcher={launcher}")
+        if not any(o.startswith("hydra.launcher.points_per_job=") for o in overrides):
+            # a node's arms share model and task: one job per group of them shares the model load,
+            # the prefills and the calibrations on a cluster as the local run does
+            cmd.append("hydra.launcher.points_per_job=auto")
     return [*cmd, *overrides]
 
 

@@ -248,6 +248,8 @@ def test_paper_profile_runs_the_variants_and_fails_a_node_without_one(workdir, m
         "-m",
         "+experiment=paper/kivi_gsm8k",
         "hydra/launcher=slurm",
+        # a node's arms share a job (and so its model load and prefills) on the cluster
+        "hydra.launcher.points_per_job=auto",
         "hydra.launcher.partition=gpu",
     ]
     assert log == Path("results/runs/.reproduce/paper/kivi_gsm8k.log")
