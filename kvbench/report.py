@@ -298,7 +298,13 @@ def claims_markdown(model: str, results: list, frames: dict[str, pd.DataFrame] |
     """The generated verdict table of one model (``results/claims/<model>.md``), then, with the
     frames, what settling each inconclusive claim would cost and each node's size from its pilot
     against the CPU budget of a node (``kvbench.analysis.sizing``)."""
-    from kvbench.analysis.claims import claims_table, fdr_line, margin_table, verdict_counts
+    from kvbench.analysis.claims import (
+        accounting_table,
+        claims_table,
+        fdr_line,
+        margin_table,
+        verdict_counts,
+    )
     from kvbench.analysis.sizing import NODE_BUDGET_MIN, WORKING_DAY_H, node_sizing, sizing_table
 
     lines = [
@@ -317,7 +323,9 @@ def claims_markdown(model: str, results: list, frames: dict[str, pd.DataFrame] |
         "paper's quantity, and the rule column names the task-level claim beside it; proxy verdicts are",
         "counted apart from task-level ones. Bounded scores (task scores, recall, hit rates) take exact,",
         "tie-aware tests (`kvbench.stats.exact`): no p-value comes from a zero spread, and a rule whose",
-        "arms all sit at the ceiling or floor reads `not testable here` with that reason.",
+        "arms all sit at the ceiling or floor reads `not testable here` with that reason. Storage claims",
+        "(`accounted` rules) are counted the paper's own way (its `accounting` in `kvbench/papers/`),",
+        "with kvbench's own bytes beside them (below).",
         "",
         verdict_counts(results),
         "",
@@ -325,6 +333,21 @@ def claims_markdown(model: str, results: list, frames: dict[str, pd.DataFrame] |
         "",
         tables.to_markdown(claims_table(results)).rstrip(),
     ]
+    accounted = accounting_table(results)
+    if len(accounted):
+        lines += [
+            "",
+            "## Storage claims: the paper's accounting, kvbench's bytes",
+            "",
+            "Each storage rule on two lines. First, kvbench's configuration counted as the paper counts",
+            "(`kvbench/papers/<paper>.yaml`, `accounting`: what enters, what is left out, the reference),",
+            "from what the runs store (code bits, levels, outlier fraction, read bits), against the",
+            "paper's number at the precision it is written with: this line decides the verdict, by",
+            "arithmetic (no test). Second, the same runs counted by the bytes kvbench holds, with the",
+            "difference and what the paper's count leaves out: a convention, never evidence against.",
+            "",
+            tables.to_markdown(accounted).rstrip(),
+        ]
     margins = margin_table(results)
     if len(margins):
         lines += [

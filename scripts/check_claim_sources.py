@@ -4,10 +4,17 @@ For each claim of the paper files ``kvbench/papers/<paper>.yaml`` (``kvbench.ana
 
 - ``quote`` (one text or a list) must occur verbatim, up to whitespace, in the paper's ``source``
   document under ``../shared/papers``;
-- every label of ``where`` (``Fig. 4``, ``Table 2``, ``Sec. 1``, ``Appendix G``, ``Abstract``,
-  separated by ``,`` or ``/``) must occur in that document in one of the forms it uses (``图4``,
-  ``表6``, ``Figure 2``, ``第4.9节``, a ``## 1`` heading, ``摘要``...); ``where: summary`` names none;
-  a venue (ICML, NeurIPS, ACL...) must occur as written;
+- every label of ``where`` (``Fig. 4``, ``Table 2``, ``Sec. 1``, ``Appendix G``, ``Abstract``, or
+  ``§ HEADING``: a heading line of the document such as ``§ 实验细节``; separated by ``,`` or ``/``;
+  a parenthetical remark is not a label) must occur in that document in one of the forms it uses
+  (``图4``, ``表6``, ``Figure 2``, ``第4.9节``, a ``## 1`` heading, ``摘要``...) within ``NEAR``
+  characters of the quote, so that a label of another part of the document (KIVI's, IntactKV's and
+  KVQuant's summaries share one) or a section the text only mentions does not pass; ``where:
+  summary`` names none; a venue (ICML, NeurIPS, ACL...) must occur as written;
+- every ``where`` of the paper's tables (``tables[].where``, which may begin with the paper's name)
+  must name labels the document holds, in the paper's part of a shared document (from the line
+  that is the paper's name to the next paper's); ``none (...)`` marks a table of kvbench's own;
+- every ``quote`` of the paper's ``accounting`` (how it counts storage) must occur verbatim;
 - every number of ``published`` must occur in the quote's neighbourhood (its line and the lines
   on either side), as the document writes it.
 
@@ -39,10 +46,13 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PAPERS = Path(os.environ.get("KVBENCH_DATA_DIR") or REPO.parent / "shared") / "papers"
 DEFAULT_OUT = REPO / "tests" / "fixtures" / "claim_sources.json"
 CONTEXT = 40  # characters kept either side of a matched label or number
+NEAR = 2500  # characters between a claim's quote and the labels of its where
 
 # A number as a claim states it: not part of a name such as "Llama-3.1-8B", "A100" or "INT4".
 NUMBER = re.compile(r"(?<![A-Za-z\d.\-_])\d+(?:\.\d+)?(?![\d]|\.\d|[A-WYZa-wyz_])")
 LABEL = re.compile(r"^(Fig\.|Figure|Table|Sec\.|Appendix|Algorithm)\s*([\dA-Z][\d.]*)$|^(Abstract)$")
+HEADING = re.compile(r"^§\s*(\S.*)$")
+REMARK = re.compile(r"\([^()]*\)")
 VENUE = re.compile(r"\b(ICML|NeurIPS|ICLR|ACL|EMNLP|NAACL|Findings)\b(?:\s+(?:of\s+ACL\s+)?\d{4})?")
 
 
@@ -63,6 +73,62 @@ def label_forms(kind: str, ident: str) -> list[str]:
     if kind == "Algorithm":
         return [f"Algorithm {ident}", f"算法{ident}"]
     return ["摘要", "Abstract"]
+
+
+def where_parts(where: str, title: str = "") -> list[str]:
+    """The labels of a ``where`` field: parenthetical remarks dropped, split at ``,`` and ``/``, a
+    leading paper name (``title``'s first word) dropped; empty for ``summary`` and ``none (...)``."""
+    where = where.strip()
+    if where == "summary" or where.startswith("none"):
+        return []
+    name = title.split()[0] if title else ""
+    parts = []
+    for part in re.split(r"[,/]", REMARK.sub("", where)):
+        part = part.strip()
+        if name and part.startswith(name + " "):
+            part = part[len(name) :].strip()
+        if part:
+            parts.append(part)
+    return parts
+
+
+def _heading_positions(text: str, heading: str) -> list[int]:
+    """Where a line of ``text`` is the heading (``#`` marks and spaces aside), or begins with it and
+    a colon or full stop (a run-in heading or caption title: ``初步实验的观察结果：(a) ...``)."""
+    out, at = [], 0
+    for line in text.splitlines(keepends=True):
+        bare = line.strip().lstrip("#").strip()
+        if bare == heading or any(bare.startswith(heading + mark) for mark in ("：", ":", "。", ". ")):
+            out.append(at)
+        at += len(line)
+    return out
+
+
+def label_positions(text: str, part: str) -> tuple[list[tuple[str, int]], list[str]]:
+    """``([(form, position), ...], forms)``: where the document writes one label of a ``where``
+    (``§ HEADING`` or a LABEL), and the forms looked for; ValueError when the part is neither."""
+    heading = HEADING.match(part)
+    if heading:
+        name = heading.group(1).strip()
+        return [(name, p) for p in _heading_positions(text, name)], [f"a line {name!r}"]
+    match = LABEL.match(part)
+    if not match:
+        raise ValueError(part)
+    kind, ident = (match.group(1), match.group(2)) if match.group(1) else ("Abstract", "")
+    forms = label_forms(kind, ident)
+    hits = [(f, m.start()) for f in forms for m in re.finditer(re.escape(f) + r"(?!\d)", text)]
+    return sorted(hits, key=lambda h: h[1]), forms
+
+
+def _quote_position(text: str, quote: str) -> int:
+    """The quote's first position in ``text``, matched ignoring whitespace (-1: absent)."""
+    squashed, index = [], []
+    for i, ch in enumerate(text):
+        if not ch.isspace():
+            squashed.append(ch)
+            index.append(i)
+    at = "".join(squashed).find(_squash(quote))
+    return index[at] if at >= 0 else -1
 
 
 def _excerpt(text: str, start: int, end: int) -> str:
@@ -105,26 +171,34 @@ def check_claim(claim: dict, documents: dict[str, str], source: str) -> tuple[di
         "numbers": [],
     }
     where = str(claim["where"])
-    if where != "summary":
-        for part in (p.strip() for p in re.split(r"[,/]", where)):
-            match = LABEL.match(part)
-            if not match:
-                problems.append(
-                    f"claim {cid!r} field 'where': {part!r} is not a label such as 'Fig. 4' or 'Sec. 1'"
-                )
-                continue
-            kind, ident = (match.group(1), match.group(2)) if match.group(1) else ("Abstract", "")
-            hits = [(f, text.find(f)) for f in label_forms(kind, ident) if f in text]
-            if not hits:
-                problems.append(
-                    f"claim {cid!r} field 'where': {doc} contains no {part!r} "
-                    f"({' | '.join(label_forms(kind, ident))})"
-                )
-                continue
-            form, at = hits[0]
-            entry["labels"].append(
-                {"label": part, "form": form.strip(), "excerpt": _excerpt(text, at, at + len(form))}
+    anchors = [_quote_position(text, q) for q in quotes]
+    for part in where_parts(where):
+        try:
+            hits, forms = label_positions(text, part)
+        except ValueError:
+            problems.append(
+                f"claim {cid!r} field 'where': {part!r} is not a label such as 'Fig. 4', 'Sec. 1' "
+                "or '§ 实验细节'"
             )
+            continue
+        if not hits:
+            problems.append(f"claim {cid!r} field 'where': {doc} contains no {part!r} ({' | '.join(forms)})")
+            continue
+        dist, form, at = min((min(abs(p - a) for a in anchors), f, p) for f, p in hits)
+        if dist > NEAR:
+            problems.append(
+                f"claim {cid!r} field 'where': {part!r} ({form.strip()!r}) is {dist} characters from the "
+                f"quote in {doc}, more than {NEAR}: the label belongs to another part of the document"
+            )
+            continue
+        entry["labels"].append(
+            {
+                "label": part,
+                "form": form.strip(),
+                "distance": dist,
+                "excerpt": _excerpt(text, at, at + len(form)),
+            }
+        )
     for venue in VENUE.finditer(where + " " + str(claim["published"])):
         if venue.group(0) not in text:
             problems.append(f"claim {cid!r}: venue {venue.group(0)!r} does not occur in {doc}")
@@ -139,6 +213,59 @@ def check_claim(claim: dict, documents: dict[str, str], source: str) -> tuple[di
             )
             continue
         entry["numbers"].append({"number": number, "excerpt": _excerpt(near, hit.start(), hit.end())})
+    return entry, problems
+
+
+def _part_of(text: str, title: str, names: list[str]) -> str:
+    """The paper's part of a shared document: from the line that is its name (``title``'s first
+    word) to the next line that is another paper's name; the whole text when no line is its name."""
+    name = title.split()[0]
+    starts = _heading_positions(text, name)
+    if not starts:
+        return text
+    start = starts[0]
+    ends = [p for other in names if other != name for p in _heading_positions(text, other) if p > start]
+    return text[start : min(ends) if ends else len(text)]
+
+
+def check_paper(paper, documents: dict[str, str], names: list[str]) -> tuple[dict, list[str]]:
+    """The fixture entry of a paper's tables' ``where`` fields and its accounting's quotes, and the
+    problems found."""
+    problems: list[str] = []
+    entry: dict = {"paper": paper.id, "document": paper.source, "tables": [], "accounting": []}
+    if paper.source not in documents:
+        return entry, [
+            f"paper {paper.id!r}: its source {paper.source!r} is not one of {', '.join(documents)}"
+        ]
+    text = documents[paper.source]
+    part_text = _part_of(text, paper.title, names)
+    for layout in paper.tables:
+        found = {"node": layout.node, "where": layout.where, "labels": []}
+        for part in where_parts(layout.where, paper.title):
+            try:
+                hits, forms = label_positions(part_text, part)
+            except ValueError:
+                problems.append(f"paper {paper.id!r} table {layout.node!r} where: {part!r} is not a label")
+                continue
+            if not hits:
+                problems.append(
+                    f"paper {paper.id!r} table {layout.node!r} where: its part of {paper.source} contains "
+                    f"no {part!r} ({' | '.join(forms)})"
+                )
+                continue
+            form, at = hits[0]
+            found["labels"].append(
+                {"label": part, "form": form.strip(), "excerpt": _excerpt(part_text, at, at + len(form))}
+            )
+        entry["tables"].append(found)
+    if paper.accounting is not None:
+        for q in paper.accounting.quote:
+            if _squash(q) not in _squash(text):
+                problems.append(
+                    f"paper {paper.id!r} accounting quote not found verbatim in {paper.source}: {q[:40]!r}"
+                )
+            else:
+                entry["accounting"].append(q)
     return entry, problems
 
 
@@ -170,13 +297,25 @@ def main(argv: list[str] | None = None) -> int:
         problems += found
         if entry:
             entries.append(entry)
+    papers = load_papers(args.declarations)
+    names = [p.title.split()[0] for p in papers]
+    paper_entries = []
+    for paper in papers:
+        entry, found = check_paper(paper, documents, names)
+        problems += found
+        paper_entries.append(entry)
     for line in problems:
         print(line, file=sys.stderr)
     if problems:
         return 1
     out = Path(args.out)
-    out.write_text(json.dumps({"claims": entries}, ensure_ascii=False, indent=1) + "\n")
-    print(f"{len(entries)} claims checked against {', '.join(documents)}; wrote {out}")
+    out.write_text(
+        json.dumps({"claims": entries, "papers": paper_entries}, ensure_ascii=False, indent=1) + "\n"
+    )
+    print(
+        f"{len(entries)} claims and {len(paper_entries)} papers' tables and accounting checked against "
+        f"{', '.join(documents)}; wrote {out}"
+    )
     return 0
 
 

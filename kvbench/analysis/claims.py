@@ -35,8 +35,16 @@ the claim's ``paper``; a claim does not name it).
   ``ratio(a, b) >= x`` / ``<= x`` mean(a) / mean(b) against x, tested as the paired mean of
                               ``a - x b`` (Fieller's linearization), estimate with a paired
                               bootstrap interval;
+  ``accounted(a, "q") >= x`` / ``<= x`` / ``== x`` (``==``: "about x") a storage claim counted the
+                              paper's own way: quantity q of the paper's ``accounting``
+                              (``kvbench.analysis.accounting``: code bits, outlier fraction, read
+                              bits of a's stored rows, and the paper's convention) against x at the
+                              precision x is written with; arithmetic, no test. kvbench's own bytes
+                              (the same rows counted by what kvbench holds) go on a second line
+                              (``accounting_table``) and never decide the verdict: a convention
+                              difference is not evidence against;
 
-  every rule takes ``metric=`` to override the claim's metric;
+  every rule but ``accounted`` takes ``metric=`` to override the claim's metric;
 - ``family``: optional name shared by claims whose ``better`` tests form one Holm family (default:
   each claim is its own family);
 - ``pending``: why the claim cannot run yet (its node or arms do not exist): the verdict stays
@@ -58,7 +66,10 @@ the claim's ``paper``; a claim does not name it).
 - ``quote``: the source document's own words the claim rests on (verbatim, any language);
   ``scripts/check_claim_sources.py`` finds it, the ``where`` and the ``published`` numbers in
   ``../shared/papers`` and records the excerpts in ``tests/fixtures/claim_sources.json``;
-  ``where: summary`` when the document names no section, table or figure;
+  ``where: summary`` when the document names no section, table or figure; each label of ``where``
+  (``Fig. 4``, ``Table 6``, ``Sec. 1``, ``Abstract``, ``§ HEADING``: a heading line of the
+  document) must be found near the quote (the script's ``NEAR`` characters), so a label another
+  part of a shared document holds does not pass;
 - ``note``: optional text;
 - ``underpowered``: why the node stays at a size where a margin or bound rule can only refute (the
   exact test's best p at the node's n is not below alpha, ``best_case_p``); required then, refused
@@ -128,6 +139,7 @@ import pandas as pd
 import yaml
 from scipy import stats as sps
 
+from kvbench.analysis.accounting import Accounting, decimals, evaluate, reaches
 from kvbench.analysis.frame import higher_is_better, plan_of
 from kvbench.stats import (
     PAIR_KEYS,
@@ -207,7 +219,10 @@ RULES: dict[str, tuple[int, int, tuple[str, ...]]] = {
     "at_least": (1, 1, ("metric",)),
     "at_most": (1, 1, ("metric",)),
     "ratio": (2, 0, ("metric",)),
+    "accounted": (1, 1, ()),
 }
+# the rules that compare with a bound written after them, and the comparisons each takes
+_COMPARES = {"ratio": (">=", "<="), "accounted": (">=", "<=", "==")}
 _NEEDS_MARGIN = ("not_worse", "equivalent")
 _SIGN_FLIP = ("better", "larger_gain")
 
@@ -237,6 +252,8 @@ class Rule:
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     op: str | None = None
     bound: float | None = None
+    # the decimals the bound is written with (``accounted``: the paper's rounding)
+    places: int | None = None
 
 
 @dataclass(frozen=True)
@@ -261,6 +278,8 @@ class Claim:
     note: str | None = None
     underpowered: str | None = None
     margin_source: str = "kvbench"
+    # the paper's accounting (``kvbench.analysis.accounting``), for ``accounted`` rules
+    accounting: Accounting | None = None
 
 
 # ------------------------------------------------------------------------------------ parsing
@@ -286,20 +305,31 @@ def parse_rule(cid: str, text: str, arms: Mapping[str, Any]) -> Rule:
         node = ast.parse(text.strip(), mode="eval").body
     except SyntaxError as err:
         raise ClaimsError(cid, "rule", f"{text!r}: not a rule ({err.msg})") from None
-    op = bound = None
+    op = bound = places = None
     if isinstance(node, ast.Compare):
-        if len(node.ops) != 1 or not isinstance(node.ops[0], (ast.GtE, ast.LtE)):
-            raise ClaimsError(cid, "rule", f"{text!r}: only 'ratio(a, b) >= x' or '<= x' compare")
-        op = ">=" if isinstance(node.ops[0], ast.GtE) else "<="
+        ops = {ast.GtE: ">=", ast.LtE: "<=", ast.Eq: "=="}
+        if len(node.ops) != 1 or type(node.ops[0]) not in ops:
+            raise ClaimsError(
+                cid, "rule", f"{text!r}: only 'ratio(a, b) >= x' / '<= x' and 'accounted(a, q) >= x' compare"
+            )
+        op = ops[type(node.ops[0])]
         bound = _constant(cid, node.comparators[0], text)
+        if not isinstance(bound, (int, float)):
+            raise ClaimsError(cid, "rule", f"{text!r}: the bound must be a number")
+        places = decimals(ast.get_source_segment(text.strip(), node.comparators[0]) or str(bound))
         node = node.left
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
         raise ClaimsError(cid, "rule", f"{text!r}: expected a call such as better(a, b)")
     kind = node.func.id
     if kind not in RULES:
         raise ClaimsError(cid, "rule", f"{text!r}: unknown rule {kind!r}; rules: {', '.join(RULES)}")
-    if (kind == "ratio") != (op is not None):
-        raise ClaimsError(cid, "rule", f"{text!r}: ratio needs '>= x' or '<= x', and only ratio compares")
+    if (kind in _COMPARES) != (op is not None) or (op is not None and op not in _COMPARES[kind]):
+        raise ClaimsError(
+            cid,
+            "rule",
+            f"{text!r}: ratio needs '>= x' or '<= x', accounted '>= x', '<= x' or '== x', "
+            "and only they compare",
+        )
     n_arms, n_values, keywords = RULES[kind]
     if len(node.args) != n_arms + n_values:
         raise ClaimsError(cid, "rule", f"{text!r}: {kind} takes {n_arms} arms and {n_values} value(s)")
@@ -325,7 +355,11 @@ def parse_rule(cid: str, text: str, arms: Mapping[str, Any]) -> Rule:
         raise ClaimsError(cid, "rule", f'{text!r}: the interval must be text like "(2.0, 2.322]"')
     if kind in ("at_least", "at_most") and not isinstance(values[0], (int, float)):
         raise ClaimsError(cid, "rule", f"{text!r}: the bound must be a number")
-    return Rule(text.strip(), kind, tuple(names), values, kwargs, op, None if bound is None else float(bound))
+    if kind == "accounted" and not isinstance(values[0], str):
+        raise ClaimsError(cid, "rule", f"{text!r}: the quantity is a quoted name of the paper's accounting")
+    return Rule(
+        text.strip(), kind, tuple(names), values, kwargs, op, None if bound is None else float(bound), places
+    )
 
 
 def _text(cid: str, entry: dict, key: str, allow_none: bool = False) -> None:
@@ -356,10 +390,16 @@ def _selector(cid: str, name: str, sel: Any) -> dict[str, Any]:
     return dict(sel)
 
 
-def validate(entry: Any, index: int, conf_dir: Path | None = None, paper: str = "") -> Claim:
+def validate(
+    entry: Any,
+    index: int,
+    conf_dir: Path | None = None,
+    paper: str = "",
+    accounting: Accounting | None = None,
+) -> Claim:
     """One claim mapping of ``paper``'s file checked against the schema (see the module docstring).
     With ``conf_dir`` (the ``conf`` folder), the experiment node must exist unless ``pending`` says
-    why not."""
+    why not; an ``accounted`` rule must name a quantity of the paper's ``accounting``."""
     if not isinstance(entry, dict):
         raise ClaimsError(f"#{index}", "(entry)", f"must be a mapping, got {type(entry).__name__}")
     cid = entry.get("id")
@@ -421,6 +461,18 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None, paper: str = 
     if not texts:
         raise ClaimsError(cid, "rule", "the list of rules is empty")
     parsed = tuple(parse_rule(cid, t, arms) for t in texts)
+    for rule in parsed:
+        if rule.kind != "accounted":
+            continue
+        if accounting is None:
+            raise ClaimsError(cid, "rule", f"{rule.text!r}: the paper file declares no accounting")
+        if rule.args[0] not in accounting.quantities:
+            raise ClaimsError(
+                cid,
+                "rule",
+                f"{rule.text!r}: {rule.args[0]!r} is not a quantity of the paper's accounting "
+                f"({', '.join(accounting.quantities)})",
+            )
     floor = entry.get("floor")
     if floor is not None:
         if (
@@ -458,6 +510,7 @@ def validate(entry: Any, index: int, conf_dir: Path | None = None, paper: str = 
         note=entry.get("note"),
         underpowered=entry.get("underpowered"),
         margin_source=entry.get("margin_source", "kvbench"),
+        accounting=accounting if any(r.kind == "accounted" for r in parsed) else None,
     )
 
 
@@ -542,8 +595,8 @@ def best_case_p(claim: Claim, rule: Rule, n: int, plan: Mapping[str, Any]) -> tu
     binomial side's best p is ``(1 - m / R) ** n``; a bound v on a 0/1 mean, ``s ** n`` for
     ``at_least`` and ``(1 - s) ** n`` for ``at_most`` with ``s = (v - lo) / R``. Unbounded metrics
     take the t-test, which reaches any level with 2 pairs and some spread (1.0 below 2 pairs)."""
-    if rule.kind in _SIGN_FLIP:
-        return None
+    if rule.kind in _SIGN_FLIP or rule.kind == "accounted":
+        return None  # accounted: arithmetic on stored quantities, no test
     metric = _rule_metric(claim, rule, plan)
     bounds = metric_bounds(metric)
     if rule.kind == "cliff_within":
@@ -777,6 +830,8 @@ class Outcome:
     premise_free: bool = True
     # what the rule tests (``rule_signature``), so a test two papers share is counted once
     signature: tuple | None = None
+    # an ``accounted`` rule's two lines: the paper's count and kvbench's bytes (``accounting_table``)
+    accounting: dict[str, Any] | None = None
 
 
 def _plan(d: np.ndarray, direction: str, alpha: float, sign_flip: bool = False) -> float:
@@ -1195,6 +1250,67 @@ def _bound_outcome(ctx: _Context, rule: Rule) -> Outcome:
     return out
 
 
+def _accounted_outcome(ctx: _Context, rule: Rule) -> Outcome:
+    """``accounted(arm, "q") op x``: the arm counted the paper's way (its accounting's quantity q,
+    from the stored rows) against x at the precision x is written with; arithmetic, no test. The
+    same rows counted kvbench's way (the bytes kvbench holds) go on a second line with the
+    difference and what the paper leaves out; they never decide the verdict."""
+    acc = ctx.claim.accounting
+    assert acc is not None  # validate() refuses an accounted rule without one
+    q = acc.quantities[rule.args[0]]
+    arm = rule.arms[0]
+    rows = ctx.rows(arm)
+    if several_configurations(rows):
+        raise NotRun(f"arm {arm!r} matches {rows['method'].nunique()} configurations; narrow it")
+    if q.config:
+        configs = rows["method_config"] if "method_config" in rows else [{}] * len(rows)
+        if not all(_subset(q.config, c) for c in configs):
+            raise NotRun(
+                f"arm {arm!r} is not a configuration the paper's {q.name!r} count applies to ({q.config})"
+            )
+    try:
+        paper = evaluate(q.paper, rows, acc.constants)
+        ours = evaluate(q.kvbench, rows, acc.constants)
+    except KeyError as err:
+        raise NotRun(f"arm {arm!r}: no stored {err.args[0]!r} for the accounting's {q.name!r}") from None
+    paper, ours = paper[np.isfinite(paper)], ours[np.isfinite(ours)]
+    if not paper.size:
+        raise NotRun(f"arm {arm!r}: {q.paper} is not stored on its rows")
+    bits, kv_bits = float(paper.mean()), float(ours.mean()) if ours.size else math.nan
+    stated, kv_stated = acc.stated(q, bits), acc.stated(q, kv_bits)
+    places = rule.places if rule.places is not None else 3
+    holds = reaches(stated, rule.op or "==", float(rule.bound), places)
+    unit = {"ratio": "x", "fraction": " of FP16", "bits": " bits per value"}[q.as_]
+    op = "about" if rule.op == "==" else rule.op
+    spread = (
+        ""
+        if _no_spread(paper)
+        else f" (mean of {paper.size} rows, {_fmt(float(paper.min()))}-{_fmt(float(paper.max()))})"
+    )
+    paper_line = (
+        f"{arm} counted as the paper counts ({q.paper}): {bits:.4g} bits per value{spread}"
+        + ("" if q.as_ == "bits" else f", {stated:.4g}{unit}")
+        + f", {round(stated, places):.{places}f} at the paper's precision; claim {op} {rule.bound:.{places}f}"
+    )
+    kv_line = (
+        f"kvbench's bytes ({q.kvbench}): {kv_bits:.4g} bits per value"
+        + ("" if q.as_ == "bits" else f", {kv_stated:.4g}{unit}")
+        + f"; {kv_bits - bits:+.4g} bits per value against the paper's count"
+    )
+    out = Outcome(rule.text, "reproduced" if holds else "evidence against", stated, None, int(paper.size))
+    out.arithmetic = True
+    out.measured = f"paper's accounting: {paper_line}; {kv_line}"
+    out.accounting = {
+        "quantity": q.name,
+        "what": q.what,
+        "paper": paper_line,
+        "kvbench": kv_line,
+        "differs": acc.differs,
+        "holds": holds,
+    }
+    return out
+
+
 def _cliff_table(
     fam: pd.DataFrame,
     ref: pd.DataFrame,
@@ -1348,6 +1464,7 @@ _EVALUATORS = {
     "at_most": _bound_outcome,
     "ratio": _bound_outcome,
     "cliff_within": _cliff_outcome,
+    "accounted": _accounted_outcome,
 }
 _ORDER = (
     "evidence against",
@@ -1700,7 +1817,10 @@ def fdr_line(results: list[ClaimResult]) -> str:
             if row.verdict in decided and not row.discovery and row.test == row.rule
         }
     )
-    arithmetic = sorted({r.claim.id for r in results for o in r.outcomes if o.arithmetic})
+    arithmetic = sorted(
+        {r.claim.id for r in results for o in r.outcomes if o.arithmetic and o.accounting is None}
+    )
+    accounted = sorted({r.claim.id for r in results for o in r.outcomes if o.accounting is not None})
     line = (
         f"Page-wide false discovery rate: Benjamini-Hochberg at q = {FDR_Q:g} over the {len(tests)} tests on "
         f"this page (each rule's two one-sided p-values as one two-sided p; each cliff grid point's "
@@ -1712,7 +1832,48 @@ def fdr_line(results: list[ClaimResult]) -> str:
         line += "Every decided rule is a discovery across the page."
     if arithmetic:
         line += f" Decided by arithmetic on a constant (no test): {', '.join(arithmetic)}."
+    if accounted:
+        line += (
+            f" Decided by arithmetic under the paper's own accounting (no test; kvbench's bytes beside): "
+            f"{', '.join(accounted)}."
+        )
     return line
+
+
+ACCOUNTING_COLUMNS = ["id", "rule", "counted", "value", "verdict"]
+
+
+def accounting_table(results: list[ClaimResult]) -> pd.DataFrame:
+    """Each ``accounted`` rule on two lines: the paper's count (which decides the verdict) and
+    kvbench's bytes (which do not), the second followed by what kvbench holds that the paper
+    does not count."""
+    rows = []
+    for r in results:
+        explained = False
+        for o in r.outcomes:
+            a = o.accounting
+            if a is None:
+                continue
+            rows.append(
+                {
+                    "id": r.claim.id,
+                    "rule": o.rule,
+                    "counted": "the paper's way",
+                    "value": a["paper"],
+                    "verdict": o.verdict,
+                }
+            )
+            rows.append(
+                {
+                    "id": "",
+                    "rule": "",
+                    "counted": "kvbench's bytes",
+                    "value": a["kvbench"] + ("; as above" if explained else f". {a['differs'].strip()}"),
+                    "verdict": "(not judged: a convention)",
+                }
+            )
+            explained = True
+    return pd.DataFrame(rows, columns=ACCOUNTING_COLUMNS, dtype=object)
 
 
 def margin_table(results: list[ClaimResult]) -> pd.DataFrame:

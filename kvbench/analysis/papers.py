@@ -13,6 +13,9 @@ its claims in the claims register (``results/claims/<model>.md``). The file's ke
   ``claims_order`` (optional, default ``order``): its place in the claims register;
 - ``notes`` (optional): one-line notes for tables of the paper that no node reproduces;
 - ``tables`` (optional): the paper's tables, each a layout (below);
+- ``accounting`` (optional): how the paper counts storage (bits per value, what enters, the
+  reference), as data: :mod:`kvbench.analysis.accounting`; the claims' ``accounted`` rules test
+  storage claims under it, with kvbench's own bytes beside;
 - ``claims`` (optional): the paper's claims, each a mapping in the schema of
   :mod:`kvbench.analysis.claims` (without ``paper``: the file says it). Their provenance: ``quote``
   is the source document's own words (mostly Chinese summaries), ``where`` names only the
@@ -76,6 +79,7 @@ import pandas as pd
 import yaml
 
 from kvbench.analysis import tables
+from kvbench.analysis.accounting import Accounting, AccountingError, parse_accounting
 from kvbench.analysis.claims import (
     Claim,
     ClaimsError,
@@ -162,6 +166,7 @@ class Paper:
     notes: tuple[str, ...] = ()
     tables: tuple[Layout, ...] = ()
     claims: tuple[Claim, ...] = ()
+    accounting: Accounting | None = None
 
     @property
     def covered_nodes(self) -> set[str]:
@@ -440,7 +445,7 @@ def axis(key: str, label: str, **variables: Any) -> Entry:
 
 # ------------------------------------------------------------------------------------ the files
 
-PAPER_KEYS = ("paper", "title", "source", "order", "claims_order", "notes", "tables", "claims")
+PAPER_KEYS = ("paper", "title", "source", "order", "claims_order", "notes", "tables", "claims", "accounting")
 PAPER_REQUIRED = ("paper", "title", "source", "order")
 TABLE_KEYS = (
     "node",
@@ -632,12 +637,19 @@ def read_paper(file: str | Path, conf_dir: str | Path | None = None) -> Paper:
             for node in layout.nodes:
                 if not (Path(conf_dir) / "experiment" / f"{node}.yaml").is_file():
                     reader.fail(f"tables[{i}].node", node, "no such node under conf/experiment")
+    accounting = None
+    if doc.get("accounting") is not None:
+        try:
+            accounting = parse_accounting(doc["accounting"])
+        except AccountingError as err:
+            reader.fail(f"accounting.{err.key}".rstrip("."), doc["accounting"], err.problem)
     entries = doc.get("claims") or []
     if not isinstance(entries, list):
         reader.fail("claims", entries, "must be a list of claims (see kvbench/analysis/claims.py)")
     try:
         claims = tuple(
-            validate(e, i, Path(conf_dir) if conf_dir else None, paper=name) for i, e in enumerate(entries)
+            validate(e, i, Path(conf_dir) if conf_dir else None, paper=name, accounting=accounting)
+            for i, e in enumerate(entries)
         )
     except ClaimsError as err:
         raise err.located(file) from None
@@ -653,6 +665,7 @@ def read_paper(file: str | Path, conf_dir: str | Path | None = None) -> Paper:
         notes=tuple(notes),
         tables=layouts,
         claims=claims,
+        accounting=accounting,
     )
 
 

@@ -291,7 +291,7 @@ GOOD = _claim("x-claim", "better(chan, tok)")
         ({"rule": "not_worse(chan, tok, margin=-1)"}, "rule", "positive"),
         ({"rule": 'cliff_within(uniform, fp16, "2 to 3")'}, "rule", "interval"),
         ({"rule": "ratio(fp16, u4)"}, "rule", "ratio needs"),
-        ({"rule": "better(chan, tok) >= 2"}, "rule", "only ratio compares"),
+        ({"rule": "better(chan, tok) >= 2"}, "rule", "only they compare"),
         ({"rule": "better(chan, tok) +"}, "rule", "not a rule"),
         ({"rule": None}, "rule", "needs a rule"),
         ({"arms": {"a": {"bits": 2}}, "rule": "at_least(a, 1)"}, "arms.a", "needs 'label' or 'method'"),
