@@ -25,7 +25,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask
 from kvbench.cache.cache import KVBenchCache
 from kvbench.cache.capture import active_capture
 from kvbench.cache.masks import newest_causal_mask
-from kvbench.cache.prefill import active_recorder
+from kvbench.cache.recorder import active_recorder
 
 ATTN_IMPLEMENTATION = "kvbench"
 

@@ -29,7 +29,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvbench.cache.layer import KVLayer
-from kvbench.cache.prefill import active_recorder
+from kvbench.cache.recorder import active_recorder
 
 # The keyword under which a forward hands its kvbench cache to the attention function.
 ATTENTION_KWARG = "kvbench_cache"

@@ -10,9 +10,9 @@ prompt; each further arm only stores.
 
 How:
 
-- :func:`record_prefill` opens a recorder for one forward over one cache. While it is open,
-  :meth:`kvbench.cache.KVBenchCache.update` records each layer's input keys and values ``[1, H_kv,
-  T, D]`` (and the update's keywords), and the attention function
+- :func:`~kvbench.cache.recorder.record_prefill` opens a recorder for one forward over one cache.
+  While it is open, :meth:`kvbench.cache.KVBenchCache.update` records each layer's input keys and
+  values ``[1, H_kv, T, D]`` (and the update's keywords), and the attention function
   (:func:`kvbench.cache.attention.kvbench_attention`) the layer's query ``[1, H, T, D]``, mask and
   keywords. Copies are kept, so nothing a cache does to its inputs later reaches the record.
 - :func:`replay_prefill` hands a :class:`PrefillRecord` to another cache of any method, layer by
@@ -22,7 +22,8 @@ How:
   recorded query. The attention output is dropped: it is the recorded forward's. The cache ends up
   holding what its own prefill would have stored, byte for byte (``tests/cache/test_prefill.py``
   checks the digests of every method that declares it).
-- :data:`SHARED_PREFILLS` keeps the records of one process by (model, prompt tokens), within a byte
+- :data:`SHARED_PREFILLS` keeps the records of one process by (model, prompt tokens), and the
+  attention captures of the instruments (the attention probe's), within a byte
   budget (``KVBENCH_PREFILL_STORE_GB``, default a sixth of the machine's memory; 0 switches sharing
   off). A full store keeps what it holds and takes nothing new: a node runs its arms one after
   another over the same samples in the same order, so keeping the first samples serves every later
@@ -37,135 +38,32 @@ it and always prefills itself.
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import os
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvbench.cache.cache import ATTENTION_KWARG
+from kvbench.cache.layer import KVLayer
+from kvbench.cache.recorder import PrefillRecord, record_prefill
+
 ENV_BUDGET = "KVBENCH_PREFILL_STORE_GB"
 
-
-@dataclass
-class LayerPrefill:
-    """One layer's part of a prefill forward: the cache update's inputs and keywords, and what the
-    attention function was handed besides the keys (module, query, mask, keywords)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    update_kwargs: dict[str, Any]
-    module: Any = None
-    query: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    attention_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class PrefillRecord:
-    """A whole prefill: each layer's :class:`LayerPrefill` and the logits the forward returned
-    (float32 ``[1, r, vocab]``, the rows the runner kept)."""
-
-    layers: dict[int, LayerPrefill]
-    logits: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.logits]
-        for layer in self.layers.values():
-            tensors += [layer.keys, layer.values]
-            tensors += [t for t in (layer.query, layer.mask) if isinstance(t, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Keywords of a recorded call with every kvbench cache taken out (a record must not hold the
-    first arm's cache alive, and each replay hands its own)."""
-    from kvbench.cache.cache import KVBenchCache
-
-    out = {}
-    for k, v in kwargs.items():
-        if isinstance(v, dict):
-            v = _without_cache(v)
-        elif isinstance(v, KVBenchCache):
-            continue
-        out[k] = v
-    return out
-
-
-class PrefillRecorder:
-    """Collects one forward's :class:`LayerPrefill` per layer (see the module docstring)."""
-
-    def __init__(self, cache):
-        self.cache = cache
-        self.layers: dict[int, LayerPrefill] = {}
-        self.complete = True
-
-    def on_update(self, cache, layer_idx: int, keys, values, kwargs: dict[str, Any]) -> None:
-        if cache is not self.cache:
-            return
-        if layer_idx in self.layers:
-            self.complete = False  # a layer updated twice is not a plain prefill
-        self.layers[layer_idx] = LayerPrefill(keys.clone(), values.clone(), _without_cache(kwargs))
-
-    def on_attention(self, cache, module, query, mask, kwargs: dict[str, Any]) -> None:
-        if cache is not self.cache:
-            return
-        layer = self.layers.get(getattr(module, "layer_idx", None))
-        if layer is None or layer.query is not None:
-            self.complete = False
-            return
-        layer.module, layer.query = module, query.clone()
-        layer.mask = mask.clone() if isinstance(mask, torch.Tensor) else mask
-        layer.attention_kwargs = _without_cache(kwargs)
-
-    def finish(self, logits: torch.Tensor) -> PrefillRecord | None:
-        """The record, or None when the forward was not one plain update and attention per layer."""
-        n = len(self.cache.layers)
-        whole = self.complete and sorted(self.layers) == list(range(n))
-        if not whole or any(layer.query is None for layer in self.layers.values()):
-            return None
-        return PrefillRecord(dict(self.layers), logits.detach().clone())
-
-
-_RECORDER: contextvars.ContextVar[PrefillRecorder | None] = contextvars.ContextVar(
-    "kvbench_prefill_recorder", default=None
-)
-
-
-def active_recorder() -> PrefillRecorder | None:
-    return _RECORDER.get()
-
-
-@contextmanager
-def record_prefill(cache) -> Iterator[PrefillRecorder]:
-    """Record the forward over ``cache`` made inside the block."""
-    recorder = PrefillRecorder(cache)
-    token = _RECORDER.set(recorder)
-    try:
-        yield recorder
-    finally:
-        _RECORDER.reset(token)
+__all__ = ["SHARED_PREFILLS", "PrefillStore", "record_prefill", "replay_prefill", "token_digest"]
 
 
 def _attend_observes(layer) -> bool:
     """Whether ``layer``'s attend does more than plain attention over a prefill's own tokens (it
     overrides :meth:`KVLayer.attend`), so that a replay must call it."""
-    from kvbench.cache.layer import KVLayer
-
     return type(layer).attend is not KVLayer.attend
 
 
 @torch.no_grad()
 def replay_prefill(cache, record: PrefillRecord) -> None:
     """Store ``record`` in ``cache`` (empty, of any method) as its own prefill forward would have."""
-    from kvbench.cache.cache import ATTENTION_KWARG
-
     for idx in range(len(cache.layers)):
         part = record.layers[idx]
         update_kwargs = dict(part.update_kwargs)
