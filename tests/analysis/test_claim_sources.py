@@ -56,8 +56,12 @@ def test_each_where_label_and_published_number_has_its_excerpt():
             assert match["number"] in match["excerpt"] and match["number"] in entry["published"], entry["id"]
 
 
-def test_at_least_forty_claims_with_no_venue_the_documents_lack():
-    assert len(DECLARED) >= 40
+def test_at_least_ninety_claims_with_no_venue_the_documents_lack():
+    # issue 43: every headline claim of the documents declared (tested, pending an arm, or not
+    # testable here with what would test it), in every paper
+    assert len(DECLARED) >= 90
+    per_paper = {p.id: len(p.claims) for p in PAPERS}
+    assert min(per_paper.values()) >= 7, per_paper
     for claim in DECLARED:
         # the audit found these in "where" fields; the documents give none of them
         for bad in ("NeurIPS", "Findings of ACL", "Sec. 3.2", "Sec. 4.1", "Sec. 4.5", "Fig. 1(c)"):
