@@ -87,13 +87,14 @@ def run_node(configs: list[dict], mode: str) -> tuple[float, int, list[dict]]:
     set_mode(mode)
     rows, samples = [], 0
     t0 = time.perf_counter()
-    for config in configs:
+    for job, config in enumerate(configs):
         if mode == "separate":
             set_mode(mode)  # every job loads and calibrates as if alone
         metrics = execute(config, progress=False)
         folder = Path(metrics["folder"])
         for line in (folder / "samples.jsonl").read_text().splitlines():
-            rows.append(json.loads(line))
+            # the job tells the arms apart: labels alone do not (uniform-2b at every axis layout)
+            rows.append({**json.loads(line), "job": job})
         samples += metrics["timings"]["samples_run"]
     return time.perf_counter() - t0, samples, rows
 
@@ -114,10 +115,10 @@ def _floats(row: dict, prefix: str = "") -> dict[str, float]:
 
 
 def compare(a: list[dict], b: list[dict]) -> dict:
-    """Rows of the two modes, matched by (method, sample): how many are identical in every column
-    but timings and the batch size, how many have the same prediction (generated text), and the
-    largest difference of any float column."""
-    key = lambda r: (r["method"], str(r["sample_id"]))  # noqa: E731
+    """Rows of the two modes, matched by (job, sample): how many are identical in every column but
+    timings and the batch size, how many have the same prediction (generated text), and the largest
+    difference of any float column."""
+    key = lambda r: (r["job"], str(r["sample_id"]))  # noqa: E731
     left, right = {key(r): _strip(r) for r in a}, {key(r): _strip(r) for r in b}
     keys = sorted(set(left) | set(right))
     diff = 0.0
