@@ -280,7 +280,7 @@ def fused_plan(case: Case, args) -> tuple[int, int, int]:
 
     batch, h, _, d = case.q.shape
     h_kv = case.keys.shape[1]
-    plan = _plan(case.keys.shape[-2], batch * h_kv, case.q.device, args.block_n, args.num_splits)
+    plan = _plan(case.keys.shape[-2], batch * h_kv, case.q.device, args.block_n, args.num_splits, d)
     block_m = max(_MIN_BLOCK_M, triton.next_power_of_2(h // h_kv))
     partial = batch * h_kv * plan.num_splits * block_m * (d + 2) * 4
     return plan.block_n, plan.num_splits, 2 * partial

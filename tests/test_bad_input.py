@@ -420,7 +420,14 @@ def test_run_killed_anywhere_resumes_to_the_uninterrupted_result(tmp_path, data_
     def config(root):
         return {
             "model": model_node("smollm2-135m"),
-            "task": {"name": "niah", "context_lengths": [256, 320], "depths": [0, 100], "max_new_tokens": 2},
+            # one sample at a time, so that a kill can land between two rows
+            "task": {
+                "name": "niah",
+                "context_lengths": [256, 320],
+                "depths": [0, 100],
+                "max_new_tokens": 2,
+                "batch_size": 1,
+            },
             "method": {"name": "kivi", "bits": 2, "group_size": 32, "residual": 64},
             "seed": 0,
             "device": "cpu",

@@ -180,6 +180,7 @@ def _cli_args(tmp_path, data_root) -> list[str]:
         "task.context_lengths=[256,320,384,448]",
         "task.depths=[0,50,100]",
         "task.max_new_tokens=4",
+        "task.batch_size=1",  # one sample at a time: the signal lands between rows
         f"output.root={tmp_path / 'runs'}",
         f"data.root={data_root}",
     ]

@@ -27,7 +27,8 @@ SWEEP = (
     "python -m kvbench -m +method=kivi bits=2,4 hydra/launcher=slurm "
     "'task.context_lengths=[300]' 'task.depths=[50]' task.max_new_tokens=2"
 )
-TINY = ["task.context_lengths=[300]", "task.max_new_tokens=2"]
+# one sample at a time, so that a cancel or requeue lands between rows
+TINY = ["task.context_lengths=[300]", "task.max_new_tokens=2", "task.batch_size=1"]
 # Enough samples that a point is still running well after its first one, when the test cancels or
 # requeues it: Slurm's kill comes seconds later (KillWait, and submitit lets SIGTERM pass), in which
 # about six samples finish here; the rest is what the second run has to do.
