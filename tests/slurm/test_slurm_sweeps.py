@@ -29,11 +29,13 @@ SWEEP = (
 )
 # one sample at a time, so that a cancel or requeue lands between rows
 TINY = ["task.context_lengths=[300]", "task.max_new_tokens=2", "task.batch_size=1"]
-# Enough samples that a point is still running well after its first one, when the test cancels or
-# requeues it: Slurm's kill comes seconds later (KillWait, and submitit lets SIGTERM pass), in which
-# about six samples finish here; the rest is what the second run has to do.
-DEPTHS = list(range(0, 101, 6))
-MANY = f"task.depths=[{','.join(map(str, DEPTHS))}]"
+# Enough work that a point is still running well after its first sample, when the test cancels or
+# requeues it: Slurm's kill comes seconds later (KillWait, and submitit lets SIGTERM pass). A
+# 300-token sample takes 0.13 s here since a prefill computes only its last positions' logits, so
+# these points take 1200-token prompts (about 0.5 s each), of which some ten finish in that delay;
+# the rest is what the second run has to do.
+DEPTHS = list(range(0, 101, 3))
+MANY = [f"task.depths=[{','.join(map(str, DEPTHS))}]", "task.context_lengths=[1200]"]
 TIMING_KEYS = {"seconds", "prefill_s", "decode_s"}
 
 
@@ -215,7 +217,7 @@ def test_user_error_in_one_point_is_one_line_and_the_others_finish(array_sweep):
 
 
 def test_scancel_mid_sweep_then_the_same_command_resumes(slurm_cluster, tmp_path):
-    args = ["-m", "+method=kivi", "bits=2,4", "hydra/launcher=slurm", MANY, *TINY]
+    args = ["-m", "+method=kivi", "bits=2,4", "hydra/launcher=slurm", *TINY, *MANY]
     driver = start(args, tmp_path)
     try:
         wait_for(
@@ -255,7 +257,7 @@ def test_scancel_mid_sweep_then_the_same_command_resumes(slurm_cluster, tmp_path
 
 
 def test_requeued_job_resumes_from_its_samples(slurm_cluster, tmp_path):
-    args = ["-m", "+method=kivi", "bits=2", "hydra/launcher=slurm", MANY, *TINY]
+    args = ["-m", "+method=kivi", "bits=2", "hydra/launcher=slurm", *TINY, *MANY]
     driver = start(args, tmp_path)
     try:
         folder = wait_for(
