@@ -52,7 +52,7 @@ class Generation:
 # The prompt positions whose logits a prefill computes (the last ones; only the last is used). Not
 # 1: the output projection of one row is a matrix-vector product, whose float32 sums are not those
 # of the same row inside a matrix product on the CPU's BLAS (2.7e-5 apart on the default model);
-# from 16 rows on the last row is bit-identical to the whole prompt's (tests/test_generation.py
+# from 16 rows on the last row is bit-identical to the whole prompt's (tests/cache/test_prefill.py
 # checks it), and the other positions' projections, 15-40 % of a 0.3-2K-token prefill, are skipped.
 PREFILL_LOGIT_ROWS = 16
 
@@ -72,6 +72,18 @@ class Scored:
     memory: MemoryReport
     seconds: float
     greedy: bool = True
+
+
+def scoring_inputs(
+    context_ids: torch.Tensor, continuation_ids: torch.Tensor, first: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stored, fed)`` of a scored request (:meth:`ModelRunner.score`): the tokens prefilled, then
+    the tokens fed after them, one forward per piece. ``first="prefill"``: the whole context, then
+    the whole continuation; ``first="cache"``: the context less its last token, then that token and
+    the continuation less its last."""
+    if first == "prefill":
+        return context_ids, continuation_ids
+    return context_ids[:, :-1], torch.cat([context_ids[:, -1:], continuation_ids[:, :-1]], dim=1)
 
 
 class ModelRunner:
@@ -428,12 +440,9 @@ class ModelRunner:
             raise ValueError(f"scoring with first={first!r} in a batch needs at least {need} context tokens")
         t0 = time.perf_counter()
         self.method.new_request(n)
-        if first == "prefill":
-            stored = [ctx for ctx, _ in pairs]
-            fed = torch.cat([cont for _, cont in pairs])
-        else:
-            stored = [ctx[:, :-1] for ctx, _ in pairs]
-            fed = torch.cat([torch.cat([ctx[:, -1:], cont[:, :-1]], dim=1) for ctx, cont in pairs])
+        split = [scoring_inputs(ctx, cont, first) for ctx, cont in pairs]
+        stored = [s for s, _ in split]
+        fed = torch.cat([f for _, f in split])
         targets = torch.cat([cont for _, cont in pairs])  # [B, N]
         cache, last, _ = self.prefill_alone(stored)
         pending = last[:, None]  # [B, 1, vocab]: the logits predicting the next piece's first token
@@ -493,11 +502,7 @@ class ModelRunner:
         self.method.new_request(continuation_ids.shape[1])
         cache = self.new_cache()
         t0 = time.perf_counter()
-        if first == "prefill":
-            stored, fed = context_ids, continuation_ids
-        else:
-            stored = context_ids[:, :-1]
-            fed = torch.cat([context_ids[:, -1:], continuation_ids[:, :-1]], dim=1)
+        stored, fed = scoring_inputs(context_ids, continuation_ids, first)
         # "prefill": the logits predicting the first token of the next piece, carried between pieces
         pending = self.prefill(stored, cache)[:, -1:] if stored.shape[1] else None
         nll: list[float] = []
