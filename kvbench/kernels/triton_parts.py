@@ -62,8 +62,8 @@ from kvbench.cache.fp import FullPrecisionSource
 from kvbench.cache.rotated import ChannelSplitSource, _gather, _scatter
 from kvbench.cache.source import RoPESource, TokenSource
 from kvbench.kernels.cpu import note_backend
-from kvbench.kernels.cpu.parts import _correct_mix, _correct_scores
 from kvbench.kernels.decode_attention import _unpack_tile
+from kvbench.kernels.outliers import _correct_mix, _correct_scores
 from kvbench.kernels.quant_pack import _load_f32
 from kvbench.kernels.runtime import interpreter_numpy_compat, plans_for_cuda, sm_count
 from kvbench.quant.packing import chunk_layout

@@ -1,6 +1,6 @@
 """KVQuant's compiled outlier corrections (``kvbench/kernels/cpu/sparse.cpp``: ``outlier_scores``,
-``outlier_mix``) equal their plain-torch expressions (:func:`~kvbench.kernels.cpu.parts._correct_scores`
-and :func:`~kvbench.kernels.cpu.parts._correct_mix` with ``module=None``) on random stores: every
+``outlier_mix``) equal their plain-torch expressions (:func:`~kvbench.kernels.outliers._correct_scores`
+and :func:`~kvbench.kernels.outliers._correct_mix` with ``module=None``) on random stores: every
 code layout family (one-byte chunks of power-of-two and other level counts, base-L words, multi-byte
 power-of-two chunks), fixed per-channel ranges (keys) and per-token fp16 ranges (values), with and
 without RoPE, int16 and int32 columns, power-of-two and other head sizes, and more entries than one
@@ -17,7 +17,7 @@ import torch
 
 from kvbench.cache.codebook_source import CodebookSource
 from kvbench.cache.source import RoPESource
-from kvbench.kernels.cpu.parts import _correct_mix, _correct_scores
+from kvbench.kernels.outliers import _correct_mix, _correct_scores
 from kvbench.quant.packing import pack
 from kvbench.quant.rope import cos_sin
 
