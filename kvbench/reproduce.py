@@ -91,14 +91,14 @@ Cost estimate, seconds per sample, in this order:
 
 The CPU profile prints minutes, the paper profile GPU hours. The claims page's Sizing section
 (``kvbench.analysis.sizing.node_sizing``) prices each node at the n its claims need through the
-same stored times (``stored_job_seconds``) and per-run load (``NodePlan.estimate_s``).
+same stored times (``stored_job_seconds``) and per-run load (``NodePlan.estimate_s``), both in
+:mod:`kvbench.node_plan` with the plan itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import subprocess
@@ -107,18 +107,17 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbench.node_plan import PROFILE_DEVICE, Job, NodePlan, add_seconds, frame_seconds, stored_job_seconds
 from kvbench.paths import CONF_DIR, default_results
 from kvbench.results import format_table
 
 PROFILES = ("cpu", "strong", "paper")
 # The folder under conf/experiment holding each profile's variants; None: the node itself.
 VARIANT_FOLDER = {"cpu": None, "strong": "strong", "paper": "paper"}
-# The machine each profile's cost is modelled for (minutes on this CPU, or GPU hours).
-PROFILE_DEVICE = {"cpu": "cpu", "strong": "cpu", "paper": "gpu"}
 # Profiles whose variants exist for some nodes only: the others are left out, not failed.
 PARTIAL_PROFILES = ("strong",)
 # The CPU cost model is fitted on the default model: other models scale by their parameters.
@@ -126,14 +125,12 @@ CPU_MODEL_PARAMETERS = 1.35e8
 CPU_MODEL_EXPONENT = 0.4
 DEFAULT_RUNS = "results/runs"
 
-# Cost model constants (see the module docstring).
+# Cost model constants (see the module docstring; the model load per run: kvbench.node_plan).
 CPU_PREFILL_S_PER_KTOK = 5.0
 CPU_STEP_S = 0.1
-CPU_RUN_OVERHEAD_S = 15.0
 GPU_FLOPS = 150e12
 GPU_BYTES_PER_S = 1.5e12
 GPU_STEP_FLOOR_S = 0.025
-GPU_RUN_OVERHEAD_S = 120.0
 
 
 class ReproduceError(Exception):
@@ -278,20 +275,6 @@ def _rows(path: Path):
             yield row
 
 
-def _add_seconds(found: dict[tuple, list[float]], model: Any, method: Any, seconds: Any) -> None:
-    if isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0:
-        found.setdefault((str(model), str(method)), []).append(float(seconds))
-
-
-def frame_seconds(frame: Any) -> dict[tuple, list[float]]:
-    """``{(model, method label): [seconds per sample, ...]}`` from a sample frame (an archive's)."""
-    found: dict[tuple, list[float]] = {}
-    if frame is not None and {"model", "method", "seconds"} <= set(frame.columns):
-        for model, method, seconds in zip(frame["model"], frame["method"], frame["seconds"], strict=True):
-            _add_seconds(found, model, method, seconds)
-    return found
-
-
 def stored_seconds(node: str, output_root: str | Path, results: str | Path) -> dict[tuple, list[float]]:
     """``{(model, method label): [seconds per sample, ...]}`` from the node's archive and the run
     folders under its output root."""
@@ -308,72 +291,11 @@ def stored_seconds(node: str, output_root: str | Path, results: str | Path) -> d
     if root.is_dir():
         for path in root.rglob("samples.jsonl"):
             for row in _rows(path):
-                _add_seconds(found, row.get("model"), row.get("method"), row.get("seconds"))
+                add_seconds(found, row.get("model"), row.get("method"), row.get("seconds"))
     return found
 
 
-def stored_job_seconds(stored: dict[tuple, list[float]], model: str, method: str) -> tuple[float, str] | None:
-    """Seconds per sample of a job of ``model`` under ``method`` (a label) from ``stored`` (step 1
-    of the cost estimate, module docstring), with where it came from: the mean of the same model
-    and method's rows (``stored``), else of the same model's rows in the node (``stored (node)``);
-    None when the node stores no time for the model."""
-    times = stored.get((model, method)) or [s for (m, _), v in stored.items() if m == model for s in v]
-    if not times:
-        return None
-    return sum(times) / len(times), "stored" if (model, method) in stored else "stored (node)"
-
-
 # ----------------------------------------------------------------------------------------- plans
-
-
-@dataclass
-class Job:
-    """One job of a node's multirun."""
-
-    label: str
-    overrides: list[str]
-    samples: int = 0
-    folder: Path | None = None  # the run folder; None when the job was not composed
-    method: str = ""
-    model: str = ""
-    done: int = 0
-    complete: bool = False
-    same_as: int | None = None  # index of the earlier job of the same run folder
-    seconds: float = 0.0  # estimated per sample
-    source: str = "model"
-
-
-@dataclass
-class NodePlan:
-    node: str
-    profile: str
-    config_name: str | None = None
-    jobs: list[Job] = field(default_factory=list)
-    output_root: str = ""
-    error: str | None = None
-
-    @property
-    def runs(self) -> list[Job]:
-        """The first job of each distinct run (every job when the jobs were not composed)."""
-        return [j for j in self.jobs if j.same_as is None]
-
-    @property
-    def samples(self) -> int:
-        return sum(j.samples for j in self.runs)
-
-    @property
-    def todo(self) -> int:
-        return sum(j.samples - j.done for j in self.runs if not j.complete)
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.jobs) and all(j.complete for j in self.runs)
-
-    def estimate_s(self) -> float:
-        """Seconds for what is left: the samples still to run, and a model load per unfinished run."""
-        overhead = CPU_RUN_OVERHEAD_S if PROFILE_DEVICE[self.profile] == "cpu" else GPU_RUN_OVERHEAD_S
-        left = [j for j in self.runs if not j.complete]
-        return sum((j.samples - j.done) * j.seconds for j in left) + overhead * len(left)
 
 
 def _run_folder(config: dict[str, Any]) -> tuple[Path, str, str]:

@@ -29,10 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvbench import paths
-from kvbench.config import build_config, check_choice, require, to_plain, unknown_key
+from kvbench.config import LoggerConfig, build_config, check_choice, require, to_plain, unknown_key
 from kvbench.data import resolve_data_root
 from kvbench.errors import ConfigError
-from kvbench.logger import LoggerConfig
 from kvbench.methods import Method, build_method
 from kvbench.methods.base import with_run_bits
 from kvbench.objective import check_objective, objective_names

@@ -16,6 +16,7 @@ from kvbench import reproduce
 from kvbench.__main__ import CONF_DIR, check_experiment, load_experiment
 from kvbench.config import to_plain
 from kvbench.methods import build_method
+from kvbench.node_plan import CPU_RUN_OVERHEAD_S
 from kvbench.results import analysis_plan
 
 NODES = reproduce.discover()
@@ -108,7 +109,7 @@ def test_dry_run_finds_shared_runs_and_stored_samples(workdir):
     node_mean = (n * 4 + (n - 1) * 10) / (2 * n - 1)  # no kivi-4b rows: the node's rows on this model
     assert kivi4.source == "stored (node)" and kivi4.seconds == pytest.approx(node_mean)
     assert plan.todo == 1 + n and not plan.complete
-    overhead = 2 * reproduce.CPU_RUN_OVERHEAD_S
+    overhead = 2 * CPU_RUN_OVERHEAD_S
     assert plan.estimate_s() == pytest.approx(1 * 10 + n * node_mean + overhead)
 
 

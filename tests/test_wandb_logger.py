@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from kvbench import logger as kvlog
+from kvbench.config import LoggerConfig
 from kvbench.errors import ConfigError
 
 METRICS = {
@@ -113,7 +114,7 @@ def test_offline_mode_writes_run_with_metrics(wandb_env, monkeypatch, stored):
 
 def test_auto_mode_without_api_key_goes_offline_without_probing(wandb_env):
     _, probes = wandb_env
-    mode, reason = kvlog.resolve_mode(kvlog.LoggerConfig(name="wandb"))
+    mode, reason = kvlog.resolve_mode(LoggerConfig(name="wandb"))
     assert mode == "offline" and "API key" in reason
     assert probes == []
 
@@ -121,7 +122,7 @@ def test_auto_mode_without_api_key_goes_offline_without_probing(wandb_env):
 def test_auto_mode_with_key_but_no_network_goes_offline(wandb_env, monkeypatch, capsys, stored):
     root, probes = wandb_env
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
-    cfg = kvlog.LoggerConfig(name="wandb", probe_timeout=1.5)
+    cfg = LoggerConfig(name="wandb", probe_timeout=1.5)
     mode, reason = kvlog.resolve_mode(cfg)
     assert mode == "offline" and "not reachable within 1.5 s" in reason
     # One probe, of the default server, bounded by the configured timeout.
@@ -157,7 +158,7 @@ def test_wandb_failures_warn_and_the_run_continues(wandb_env, monkeypatch, capsy
         raise RuntimeError("simulated init timeout")
 
     monkeypatch.setattr(wandb, "init", broken_init)
-    logger = kvlog.WandbLogger(kvlog.LoggerConfig(name="wandb", mode="online"))
+    logger = kvlog.WandbLogger(LoggerConfig(name="wandb", mode="online"))
     logger.start({"seed": 0})
     assert modes == ["online", "offline"]  # online failed, retried once offline, then gave up
     assert not logger.active
@@ -177,7 +178,7 @@ def test_log_failure_disables_logger(wandb_env, capsys):
         def finish(self):
             raise AssertionError("finish must not be called on a disabled logger")
 
-    logger = kvlog.WandbLogger(kvlog.LoggerConfig(name="wandb"))
+    logger = kvlog.WandbLogger(LoggerConfig(name="wandb"))
     logger.run = FailingRun()
     logger.log_run(METRICS)
     assert not logger.active
@@ -251,7 +252,7 @@ def test_finish_waits_for_wandb_to_write_the_run(wandb_env, monkeypatch):
             calls.append("finish")
 
     monkeypatch.setattr(wandb, "teardown", lambda *a, **k: calls.append("teardown"))
-    logger = kvlog.WandbLogger(kvlog.LoggerConfig(name="wandb"))
+    logger = kvlog.WandbLogger(LoggerConfig(name="wandb"))
     logger.run = Run()
     logger.finish()
     assert calls == ["finish", "teardown"] and not logger.active

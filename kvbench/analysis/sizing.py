@@ -15,9 +15,9 @@ or only a GPU run can. An effect of zero needs infinitely many pairs (``inf``).
 the pilot (issue 27): per node, the largest n its inconclusive claims need, each in the direction
 its pilot points (:func:`claim_need`), and what the whole node would cost at that n on the machine
 of the runs, through ``kvbench.reproduce``'s cost model (its stored seconds per sample of each
-job and its per-run model load; no cost table of its own), against ``NODE_BUDGET_MIN``. The claims
-page prints it with the resizes that fit and, for each claim that does not, its price. It sizes;
-it changes no node.
+job and its per-run model load, :mod:`kvbench.node_plan`; no cost table of its own), against
+``NODE_BUDGET_MIN``. The claims page prints it with the resizes that fit and, for each claim that
+does not, its price. It sizes; it changes no node.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections.abc import Mapping
 import pandas as pd
 
 from kvbench.analysis.claims import ClaimResult, Outcome, select
+from kvbench.node_plan import Job, NodePlan, frame_seconds, stored_job_seconds
 
 # A working day on the machine that made the runs: the budget `make reproduce` is sized against.
 WORKING_DAY_H = 8.0
@@ -163,11 +164,9 @@ def node_pairs(frame: pd.DataFrame) -> int:
 
 def node_minutes(node: str, frame: pd.DataFrame, scale: float) -> float:
     """CPU minutes the node's runs in ``frame`` would take from scratch with ``scale`` times the
-    samples each holds now: :meth:`kvbench.reproduce.NodePlan.estimate_s` over one job per stored
-    run, each at the seconds per sample ``kvbench.reproduce.stored_job_seconds`` gives from the
+    samples each holds now: :meth:`kvbench.node_plan.NodePlan.estimate_s` over one job per stored
+    run, each at the seconds per sample ``kvbench.node_plan.stored_job_seconds`` gives from the
     frame's stored times (nan when the frame stores none for a run's model)."""
-    from kvbench.reproduce import Job, NodePlan, frame_seconds, stored_job_seconds
-
     if math.isinf(scale):
         return math.inf
     stored = frame_seconds(frame)

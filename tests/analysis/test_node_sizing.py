@@ -18,7 +18,7 @@ from synthetic_claims import EXPERIMENT, NOISE, SAMPLES, SEEDS, write_claim_runs
 from kvbench import report
 from kvbench.analysis.archive import load_archives, write_archives
 from kvbench.analysis.sizing import NODE_BUDGET_MIN, claim_need, node_sizing
-from kvbench.reproduce import CPU_RUN_OVERHEAD_S
+from kvbench.node_plan import CPU_RUN_OVERHEAD_S
 from kvbench.stats import n_from_pilot
 
 CHEAP = "cheap_copy"
