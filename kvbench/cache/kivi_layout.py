@@ -30,6 +30,7 @@ from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.kivi_static import KIVIStatic, ring_attention
 from kvbench.cache.layer import cat_tokens, merge_held
 from kvbench.cache.quantized import QuantizedTokens
+from kvbench.kernels.runtime import gpu_reads_levels
 from kvbench.quant.affine import zero_point_for
 from kvbench.quant.attention_ref import PackedKV
 
@@ -116,7 +117,12 @@ class KIVILayer(CompositeLayer):
             self._pending = None
             self._ring.append(key_states, value_states)
             return key_states, value_states
-        fused = self.fused_decode and self.backend == "triton"
+        fused = (
+            self.fused_decode
+            and self.backend == "triton"
+            and gpu_reads_levels(self.kq.levels, key_states.device)
+            and gpu_reads_levels(self.vq.levels, key_states.device)
+        )
         if not fused or key_states.shape[-2] > 2 or not self.num_tokens:
             self._before = None
             return super().update(key_states, value_states, *args, **kwargs)

@@ -23,7 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench.kernels.runtime import interpreter_numpy_compat, plans_for_cuda, sm_count
+from kvbench.kernels.runtime import (
+    interpreter_numpy_compat,
+    plans_for_cuda,
+    refuse_unchecked_levels,
+    sm_count,
+)
 from kvbench.quant.attention_ref import PackedKV
 from kvbench.quant.packing import chunk_layout
 
@@ -77,9 +82,12 @@ def _unpack_tile(
         word = tl.load(row_ptr + byte[None, :], mask=mask, other=0).to(tl.int32)
         if 8 % BITS != 0:
             # Only 3, 5, 6 and 7-bit codes can cross into the next byte (always inside the chunk).
+            # A lane whose code does not cross reads its own byte again and drops it: the same
+            # bytes as a load masked by ``spill``, which on an H200 (triton 3.6) read wrong values
+            # in some launch shapes (kvbench.kernels.runtime.GPU_UNCHECKED_LEVELS).
             spill = (shift + BITS) > 8
-            hi = tl.load(row_ptr + byte[None, :] + 1, mask=mask & spill[None, :], other=0).to(tl.int32)
-            word = word | (hi << 8)
+            nxt = tl.load(row_ptr + (byte + spill.to(tl.int32))[None, :], mask=mask, other=0).to(tl.int32)
+            word = word | tl.where(spill[None, :], nxt << 8, 0)
         return (word >> shift[None, :]) & (LEVELS - 1)
     digit = chan % CHUNK
     weight = tl.full(chan.shape, 1, tl.int32)
@@ -561,6 +569,9 @@ def fused_decode_attention(
         raise ValueError("extra_keys and extra_values must hold the same number of tokens")
     if n_main < nq - 1 or n_main - (nq - 1) + n_extra < 1:
         raise ValueError(f"{nq} queries over {n_main} main + {n_extra} extra tokens: the first sees nothing")
+    for name, store in (("key_store", key_store), ("value_store", value_store)):
+        if store is not None:
+            refuse_unchecked_levels(store.levels, q.device, f"fused_decode_attention's {name}")
     rows = heads // lead[1] * nq
     if rows > _MAX_ROWS:
         raise ValueError(f"group * nq = {rows} query rows per kv head exceeds {_MAX_ROWS} (a prefill shape)")

@@ -86,6 +86,35 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(index)
 
 
+# Level counts whose packed reads gave wrong numbers on a GPU: 5-, 6- and 7-bit codes of the
+# LSB-first bit stream (a code may straddle two bytes). On the lent H200 (triton 3.6, sm_90), the
+# part reader and the fused decode kernel read them wrongly in some launch shapes (relative errors
+# 0.3-1.2 against the torch reference: per-channel parts at head_dim 128 with token blocks of 64,
+# the fused kernel at head_dim 64), while the interpreter reads them exactly, so the CPU tests could
+# not see it. 3-bit codes (L=8) failed the same way until the second byte was read from an address
+# chosen per lane instead of through a mask (decode_attention._unpack_tile); that read was checked
+# on the device. These three are not: on a CUDA device the Triton readers refuse them (backend=auto
+# reads them with torch) until a device run shows them exact.
+GPU_UNCHECKED_LEVELS = frozenset({32, 64, 128})
+
+
+def gpu_reads_levels(levels: int, device: torch.device) -> bool:
+    """Whether the Triton readers read ``levels``-level packed codes on ``device``: everywhere but
+    :data:`GPU_UNCHECKED_LEVELS` under the CUDA plan (a device, or :func:`cuda_launch_plan`)."""
+    return not (levels in GPU_UNCHECKED_LEVELS and plans_for_cuda(device))
+
+
+def refuse_unchecked_levels(levels: int, device: torch.device, where: str) -> None:
+    """NotImplementedError naming ``where`` and ``levels`` unless :func:`gpu_reads_levels`."""
+    if not gpu_reads_levels(levels, device):
+        bits = levels.bit_length() - 1
+        raise NotImplementedError(
+            f"{where}: {bits}-bit codes (levels={levels}) are not read by Triton on CUDA (wrong on "
+            f"the H200 check, see kvbench.kernels.runtime.GPU_UNCHECKED_LEVELS); use backend=auto or "
+            f"torch, or levels outside {sorted(GPU_UNCHECKED_LEVELS)}"
+        )
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

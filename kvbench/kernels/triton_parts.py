@@ -65,7 +65,12 @@ from kvbench.kernels.cpu import note_backend
 from kvbench.kernels.decode_attention import _unpack_tile
 from kvbench.kernels.outliers import _correct_mix, _correct_scores
 from kvbench.kernels.quant_pack import _load_f32
-from kvbench.kernels.runtime import interpreter_numpy_compat, plans_for_cuda, sm_count
+from kvbench.kernels.runtime import (
+    interpreter_numpy_compat,
+    plans_for_cuda,
+    refuse_unchecked_levels,
+    sm_count,
+)
 from kvbench.quant.packing import chunk_layout
 
 interpreter_numpy_compat()  # triton < 3.7's interpreter under numpy >= 2.4
@@ -442,6 +447,8 @@ def _launch(part: TokenSource, x: torch.Tensor, mix: bool) -> torch.Tensor:
         d = inner.data.shape[-1] if type(inner) is FullPrecisionSource else inner.head_dim
         return x.new_zeros(b, h, m, d)
     args, consts, d = _layout(inner, x)
+    if consts["KIND"] == 1:
+        refuse_unchecked_levels(consts["LEVELS"], x.device, f"TritonReader ({type(inner).__name__})")
     if rope is not None:
         cos, sin = (c.contiguous() for c in rope.table)
         rope_args = [cos, sin, cos.stride(0), rope.first_position]

@@ -85,7 +85,11 @@ def affine_params(
     lo = x.amin(dim=-1, keepdim=True)
     hi = x.amax(dim=-1, keepdim=True)
     if zero_point == "minmax":
-        return (hi - lo) / (levels - 1), lo
+        # Divide by a tensor, not a Python number: on CUDA, torch turns ``tensor / number`` into a
+        # multiplication by the number's float32 reciprocal, which differs from the division in the
+        # last bit (then in the float16 scale) for L - 1 = 7, 15, 63; a tensor divisor keeps the
+        # IEEE division the CPU and the Triton kernels do, so the reference is one on every device.
+        return (hi - lo) / hi.new_tensor(float(levels - 1)), lo
     return (hi - lo) / 2, (3 * lo + hi) / 4
 
 

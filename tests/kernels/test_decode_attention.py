@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.kernels.decode_attention import PackedKV, fused_decode_attention
+from kvbench.kernels.runtime import GPU_UNCHECKED_LEVELS, cuda_launch_plan, gpu_reads_levels
 from kvbench.quant.affine import fake_quantize_grouped, quantize_grouped
 from kvbench.quant.attention_ref import decode_attention_reference
 from kvbench.quant.packing import pack
@@ -180,8 +181,28 @@ def test_every_level_count(gen, levels):
     keys, values = randn(gen, b, h_kv, t, d), randn(gen, b, h_kv, t, d)
     for k_axis, v_axis in (("channel", "token"), ("token", "channel")):
         kq, vq = packed(keys, levels, k_axis, 32), packed(values, levels, v_axis, 32)
+        if not gpu_reads_levels(levels, q.device):
+            with pytest.raises(NotImplementedError, match=f"levels={levels}"):
+                fused_decode_attention(q, kq, vq, 0.125)
+            continue
         ref = decode_attention_reference(q, [kq], [vq], 0.125)
         assert_matches(fused_decode_attention(q, kq, vq, 0.125), ref, gen)
+
+
+@pytest.mark.parametrize("levels", sorted(GPU_UNCHECKED_LEVELS))
+def test_cuda_plan_refuses_unchecked_bit_widths(gen, levels):
+    # 5-7-bit streams read wrong on the H200 (triton 3.6); the CUDA plan refuses them by name
+    # before any launch, and 3-bit codes (checked there) still plan.
+    keys = randn(gen, 1, 1, 64, 64)
+    q = randn(gen, 1, 2, 1, 64)
+    with cuda_launch_plan():
+        kq, vq = packed(keys, levels, "channel", 32), packed(keys, 4, "token", 32)
+        with pytest.raises(
+            NotImplementedError, match=f"key_store.*{levels.bit_length() - 1}-bit.*levels={levels}"
+        ):
+            fused_decode_attention(q, kq, vq, 0.125)
+        assert gpu_reads_levels(8, q.device) and not gpu_reads_levels(levels, q.device)
+    assert gpu_reads_levels(levels, torch.device("cpu"))
 
 
 def test_large_logits_are_stable(gen):
@@ -219,6 +240,22 @@ def test_rejects_mismatched_token_counts(gen):
 # ---------------------------------------------------------------------------------------------
 # Full size, on a GPU
 # ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("d", [64, 128])
+def test_three_bit_codes_on_cuda(gen, d):
+    # The shape in which 3-bit codes read wrong on the H200 before the second byte's load took an
+    # address per lane (relative error 0.73 at head_dim 64; kvbench.kernels.runtime).
+    q = randn(gen, 2, 8, 1, d)
+    keys = randn(gen, 2, 2, 552, d) * (0.5 + randn(gen, d).abs())
+    values = randn(gen, 2, 2, 552, d) + 0.3
+    kq, vq = packed(keys[:, :, :512], 8, "channel", 32), packed(values[:, :, :512], 8, "token", 32)
+    k_res, v_res = keys[:, :, 512:].half(), values[:, :, 512:].half()
+    out = fused_decode_attention(q, kq, vq, d**-0.5, k_res, v_res)
+    ref = decode_attention_reference(q, [kq, k_res], [vq, v_res], d**-0.5)
+    assert_matches(out, ref, gen)
 
 
 @pytest.mark.cuda

@@ -24,9 +24,10 @@ from kvbench.cache.fp import FullPrecisionSource
 from kvbench.cache.rotated import ChannelSplitCodes, HeadRotations, RotatedCodes
 from kvbench.cache.source import RoPESource
 from kvbench.errors import ConfigError
-from kvbench.kernels import cpu
+from kvbench.kernels import cpu, triton_parts
 from kvbench.kernels.counting import count_ops
 from kvbench.kernels.cpu.parts import read_kernels
+from kvbench.kernels.runtime import GPU_UNCHECKED_LEVELS, cuda_launch_plan
 from kvbench.kernels.triton_parts import TritonReader, covers
 from kvbench.methods import build_method
 from kvbench.quant.affine import quantize_grouped
@@ -128,6 +129,32 @@ def test_per_channel_affine(levels, group, d, rows):
     x = keys_like(group * (200 // group), d, 10 + levels)  # a whole number of token groups
     codes, scale, zero = quantize_grouped(x, levels, "channel", group)
     assert_matches(PerChannelAffineSource(pack(codes, levels), scale, zero, levels, group, d), d, rows)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "group, rows, sum_tile", [(32, 1, 4096), (32, 1, 8192), (64, 1, 8192), (32, 4, 32768)]
+)
+def test_three_bit_per_channel_on_cuda(monkeypatch, group, rows, sum_tile):
+    # Token blocks of 32 and 64 over 3-bit per-channel codes at head_dim 128: the shapes that read
+    # wrong on the H200 before the second byte's load took an address per lane (kvbench.kernels.runtime).
+    monkeypatch.setattr(triton_parts, "GPU_SUM_TILE", sum_tile)
+    x = keys_like(group * (200 // group), 128, 18)
+    codes, scale, zero = quantize_grouped(x, 8, "channel", group)
+    assert_matches(PerChannelAffineSource(pack(codes, 8), scale, zero, 8, group, 128), 128, rows)
+
+
+@pytest.mark.parametrize("levels", sorted(GPU_UNCHECKED_LEVELS))
+def test_cuda_plan_refuses_unchecked_bit_widths(levels):
+    x = keys_like(64, 64, levels)
+    codes, scale, zero = quantize_grouped(x, levels, "channel", 32)
+    part = PerChannelAffineSource(pack(codes, levels), scale, zero, levels, 32, 64)
+    query = torch.randn(B, H, 1, 64)
+    with cuda_launch_plan():
+        with pytest.raises(NotImplementedError, match=f"PerChannelAffineSource.*levels={levels}"):
+            TritonReader(strict=True).scores(part, query)
+        assert TritonReader(strict=False).scores(part, query) is None  # backend=auto: torch reads it
 
 
 # -- codebook codes -------------------------------------------------------------------------------
