@@ -336,8 +336,9 @@ def check_hydra_dir(master: DictConfig, multirun: bool) -> None:
     """Hydra's output folder (``hydra.run.dir``, or ``hydra.sweep.dir`` for a multirun) must be one
     it can create and write: one line otherwise, before Hydra fails on it with a traceback. One that
     already holds files neither Hydra nor kvbench wrote (a folder of the user's) gets a warning:
-    Hydra adds its ``.hydra/`` config and a log there, beside them. The default folder, under
-    ``output.root/.hydra/`` and unique per process, never exists beforehand."""
+    Hydra adds its ``.hydra/`` config and a log there, beside them. The default folders, under
+    ``output.root/.hydra/`` (a run) and ``output.root/multirun/<date>/`` (a sweep) and unique per
+    process, never exist beforehand."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf.errors import OmegaConfBaseException
 
@@ -570,11 +571,13 @@ def _terminate_as_interrupt():
 def main(cfg: DictConfig) -> dict:
     from kvbench.run import execute, format_table, summary_line
     from kvbench.spec import RunSpec
+    from kvbench.sweep import record_point
 
     previous = _terminate_as_interrupt()
     try:
         # the job's config, resolved and validated once: everything below reads these objects
         spec = RunSpec.from_config(cfg)
+        record_point(spec.folder)  # a sweep's point names its run folder before it starts
         metrics = execute(spec)
     except ConfigError as err:
         print(f"kvbench: error: {err}", file=sys.stderr)
@@ -594,6 +597,7 @@ def main(cfg: DictConfig) -> dict:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     row = summary_line(metrics)
+    record_point(spec.folder, row)
     print(format_table([row]))
     print(f"results: {metrics['folder']}")
     objective = spec.run.objective

@@ -293,10 +293,13 @@ def test_hydra_folders_are_unique_per_process():
         cfg = compose("config", overrides=["output.root=/r"], return_hydra_config=True)
         run_dir = OmegaConf.select(cfg, "hydra.run.dir")
         sweep_dir = OmegaConf.select(cfg, "hydra.sweep.dir")
-    for folder in (run_dir, sweep_dir):
-        stamp, pid = folder.rsplit("-", 1)
-        assert pid == str(os.getpid())
-        assert len(stamp.rpartition(".")[2]) == 6  # microseconds
+    stamp, pid = run_dir.rsplit("-", 1)
+    assert pid == str(os.getpid())
+    assert len(stamp.rpartition(".")[2]) == 6  # microseconds
+    # a sweep's folder is dated as Hydra dates it, multirun/<date>/<time>, and unique by the pid
+    root, multirun, day, time_pid = sweep_dir.rsplit("/", 3)
+    assert (root, multirun) == ("/r", "multirun") and len(day) == 10 and day.count("-") == 2
+    assert time_pid.rsplit("-", 1)[1] == str(os.getpid())
 
 
 # --- results files ---------------------------------------------------------------------------------

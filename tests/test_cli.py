@@ -1,11 +1,13 @@
 """User errors on the command line: one line naming the key, exit status 2, no traceback."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
+from kvbench.analysis import load_results
 from kvbench.methods import METHODS
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "kvbench", "conf")
@@ -76,7 +78,35 @@ def test_multirun_sweep_writes_one_folder_per_point(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     folders = sorted(p.parent.parent.name for p in tmp_path.glob("niah/smollm2-135m/*/*/metrics.json"))
     assert folders == ["kivi-2b", "kivi-4b", "uniform-2b", "uniform-4b"]
-    assert proc.stdout.count("eff_bits") == 4  # each job prints its summary table
+    assert proc.stdout.count("eff_bits") == 5  # each job prints its summary table, then the sweep's
+    # The sweep's own dated folder, one subfolder per point naming its run folder, and the table of
+    # all four points at the end.
+    (sweep,) = tmp_path.glob("multirun/*/*")
+    index = json.loads((sweep / "sweep.json").read_text())
+    linked = sorted((sweep / r["folder"]).resolve().parent.name for r in index["runs"])
+    assert linked == folders and all(r["finished"] for r in index["runs"])
+    table = proc.stdout.rpartition(f"sweep of 4 points: {sweep}")[2]
+    assert sorted(line.split()[0] for line in table.splitlines()[2:6]) == ["0", "1", "2", "3"]
+    # Another sweep into the same root; the report of the first folder reads its four points only.
+    again = run_cli(
+        "-m",
+        "+method=fp16",
+        "task.context_lengths=[300]",
+        "task.depths=[50]",
+        "task.max_new_tokens=2",
+        f"output.root={tmp_path}",
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    report = subprocess.run(
+        [sys.executable, "-m", "kvbench.report", str(sweep), "--out", str(tmp_path / "report")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert report.returncode == 0, report.stderr[-2000:]
+    frame = load_results(sweep)
+    assert sorted(frame["method"].unique()) == folders
+    assert "fp16" in set(load_results(tmp_path)["method"])
 
 
 def test_submitit_local_sweep_reports_every_point_on_the_terminal(tmp_path, haystack_only_root):

@@ -48,7 +48,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("lmeval",),  # the lm-eval model: a runner's method behind lm-eval's API
     ("logger",),  # wandb or nothing, fed the run's spec and metrics
     ("spec", "builder"),  # the typed run object from a config; model and method builders
-    ("results", "node_plan"),  # run folders, run ids, stored rows; a node's jobs and their cost
+    ("results", "node_plan", "sweep"),  # run folders and rows; a node's jobs and cost; a sweep's folder
     ("tasks",),  # one file per task
     ("generate",),  # the decode loop tasks share
     ("methods",),  # one file per method

@@ -28,6 +28,7 @@ from typing import Any
 import pandas as pd
 
 from kvbench.results import RunFolder
+from kvbench.sweep import sweep_run_folders
 
 # The plan's keys (see the experiment nodes' ``analysis:`` block) and their defaults.
 PLAN_DEFAULTS: dict[str, Any] = {
@@ -174,9 +175,15 @@ def _run_rows(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 def run_folders(root: str | Path) -> list[Path]:
-    """Every run folder (holding ``config.json``) under ``root``, sorted; ``root`` itself included."""
+    """Every run folder (holding ``config.json``) under ``root``, sorted; ``root`` itself included.
+    A sweep's folder (``output.root/multirun/<date>/<time>``) holds no run folder of its own: its
+    points' records name the run folders it made, and exactly those are read
+    (:func:`kvbench.sweep.sweep_run_folders`)."""
     root = Path(root)
-    return sorted({p.parent for p in root.rglob("config.json") if (p.parent / "samples.jsonl").exists()})
+    found = {p.parent for p in root.rglob("config.json") if (p.parent / "samples.jsonl").exists()}
+    if not found:
+        found = {f for f in sweep_run_folders(root) if (f / "samples.jsonl").exists()}
+    return sorted(found)
 
 
 def _flat(node: Any, prefix: str) -> dict[str, str]:

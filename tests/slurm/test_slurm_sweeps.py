@@ -81,7 +81,7 @@ def without_timings(line: str) -> dict:
 
 def array_ids(cwd: Path) -> list[str]:
     """Slurm ids of the job arrays submitted from ``cwd`` (submitit names a folder after each)."""
-    scripts = cwd.glob("results/runs/.hydra/multirun-*/.submitit/*/*_submission.sh")
+    scripts = cwd.glob("results/runs/multirun/*/*/.submitit/*/*_submission.sh")
     return sorted({p.parent.name for p in scripts})
 
 
@@ -184,10 +184,10 @@ def _log_times(log: Path) -> tuple[datetime, datetime]:
 
 def test_array_larger_than_parallelism_runs_every_point_two_at_a_time(array_sweep):
     cwd, proc = array_sweep
-    (script,) = cwd.glob("results/runs/.hydra/multirun-*/.submitit/*/*_submission.sh")
+    (script,) = cwd.glob("results/runs/multirun/*/*/.submitit/*/*_submission.sh")
     assert re.search(r"^#SBATCH --array=0-2%2$", script.read_text(), re.M), script.read_text()
     # Every task of the array ran, and none started while two others were running.
-    logs = sorted(cwd.glob("results/runs/.hydra/multirun-*/.submitit/*_*/*_0_log.out"))
+    logs = sorted(cwd.glob("results/runs/multirun/*/*/.submitit/*_*/*_0_log.out"))
     assert [p.parent.name.split("_")[1] for p in logs] == ["0", "1", "2"]
     spans = [_log_times(p) for p in logs]
     for k, (begin, _) in enumerate(spans):
@@ -318,7 +318,7 @@ def test_points_per_job_runs_a_group_in_one_job_that_loads_the_model_once(
     finally:
         cancel_all(tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    (script,) = tmp_path.glob("results/runs/.hydra/multirun-*/.submitit/*/*_submission.sh")
+    (script,) = tmp_path.glob("results/runs/multirun/*/*/.submitit/*/*_submission.sh")
     assert re.search(r"^#SBATCH --array=0-1%", script.read_text(), re.M), script.read_text()
     errors = [line for line in proc.stderr.splitlines() if line.startswith("kvbench:")]
     assert len(errors) == 1 and errors[0].startswith("kvbench: error: point #0 (+method=kvquant): "), errors
