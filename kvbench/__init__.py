@@ -12,3 +12,15 @@ __version__ = "0.1.0"
 # cached, so every job of a sweep resolves the sweep folder of the process that launched it.
 if not OmegaConf.has_resolver("kvbench.pid"):
     OmegaConf.register_new_resolver("kvbench.pid", os.getpid, use_cache=True)
+
+# The Python API (kvbench/api.py), imported on first use so that `import kvbench` stays light.
+_API = ("load", "new_cache", "prepare")
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from kvbench import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'kvbench' has no attribute {name!r}")

@@ -19,6 +19,10 @@ The attention contract, the one place it is written down:
   given; a forward over a kvbench cache without the keyword is refused at its first update where
   the model passes its attention keywords to the cache (Llama, Mistral, Qwen2, Gemma and most
   decoders of transformers 5); elsewhere it would attend only the forward's own tokens.
+- A model prepared by :func:`kvbench.prepare` adds the keyword itself to every forward given a
+  kvbench cache as ``cache=``/``past_key_values=`` (a forward pre-hook, :mod:`kvbench.cache.hf`),
+  so ``model.generate(ids, cache=cache)``, pipelines and plain ``model(ids, cache=cache)`` keep
+  this contract without knowing it.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from kvbench.cache.accounting import MemoryReport, memory_report
 from kvbench.cache.layer import KVLayer
 from kvbench.cache.recorder import active_recorder
+from kvbench.cache.reorder import reorder_layers
 
 # The keyword under which a forward hands its kvbench cache to the attention function.
 ATTENTION_KWARG = "kvbench_cache"
@@ -38,10 +44,25 @@ ATTENTION_KWARG = "kvbench_cache"
 class KVBenchCache(Cache):
     """A cache made of one :class:`KVLayer` per transformer layer."""
 
+    # The method that built this cache, where the builder says (kvbench.new_cache): a prepared
+    # model's forward hook runs its after_forward for forwards that kvbench's runner does not make.
+    method = None
+
     def __init__(self, layers: list[KVLayer]):
         super().__init__(layers=layers)
         # layer index -> the keys its latest update returned, until attention takes that layer
         self._returned: dict[int, torch.Tensor] = {}
+
+    def memory_report(self) -> MemoryReport:
+        """What the cache holds now, from its tensors (:mod:`kvbench.cache.accounting`): bytes per
+        component, ``effective_bits``, ``code_bits``, ``compression``..."""
+        return memory_report(self.layers)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` becomes row ``beam_idx[i]`` in every layer, where each layer's
+        sequences live in token buffers only; else one :class:`~kvbench.cache.reorder.BeamSearchError`
+        line, nothing changed (:mod:`kvbench.cache.reorder`)."""
+        reorder_layers(self.layers, beam_idx)
 
     def forward_kwargs(self) -> dict[str, Any]:
         """The keywords of a model forward over this cache: ``model(input_ids=ids,
@@ -97,5 +118,7 @@ def check_handed_to_attention(cache, update_kwargs: dict) -> None:
     if isinstance(forward, dict) and forward.get(ATTENTION_KWARG) is not cache:
         raise RuntimeError(
             f"a forward over a kvbench cache must hand it to attention too: call the model with "
-            f"**cache.forward_kwargs() (keyword {ATTENTION_KWARG!r}), not cache=cache alone"
+            f"**cache.forward_kwargs() (keyword {ATTENTION_KWARG!r}), not cache=cache alone, or "
+            f"prepare the model once with kvbench.prepare(model), after which cache=, "
+            f"past_key_values= and model.generate() hand it on"
         )
