@@ -89,7 +89,7 @@ def affine_params(
         # multiplication by the number's float32 reciprocal, which differs from the division in the
         # last bit (then in the float16 scale) for L - 1 = 7, 15, 63; a tensor divisor keeps the
         # IEEE division the CPU and the Triton kernels do, so the reference is one on every device.
-        return (hi - lo) / hi.new_tensor(float(levels - 1)), lo
+        return (hi - lo) / torch.full_like(hi, levels - 1), lo  # made on the device: no host copy
     return (hi - lo) / 2, (3 * lo + hi) / 4
 
 
