@@ -524,3 +524,101 @@ class ModelRunner:
         self.method.end_request(cache)
         note_decode_step("eager")
         return Scored(nll, memory, time.perf_counter() - t0, greedy)
+
+
+def joins_arm_batch(method: Method) -> bool:
+    """Whether ``method``'s rows may share a batched forward with other methods' rows
+    (:func:`score_arms`): it declares :attr:`Method.arm_batch` and runs its decode steps as plain
+    forwards (a method that drives its own step, as SpeCache does, cannot share it)."""
+    base = getattr(method.config, "base_method", None)  # IntactKV stores as its base does
+    own = method.arm_batch and type(method).decode_step is Method.decode_step
+    return own and (base is None or joins_arm_batch(base))
+
+
+@torch.no_grad()
+def score_arms(
+    runners: list[ModelRunner],
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    chunk: int = 1,
+    first: str = "prefill",
+) -> list[list[Scored]]:
+    """:meth:`ModelRunner.score_batch` of the same ``pairs`` by every runner (one per arm of a
+    sweep, all on one model), with every arm's rows in one batched forward: ``[A arms x P pairs]``
+    rows, each through its own cache of its own method, so the weights are read once per chunk for
+    all arms. Each arm's contexts are prefilled alone as its :meth:`~ModelRunner.prefill_alone`
+    does (shared through :data:`kvbench.cache.prefill.SHARED_PREFILLS` where the method declares an
+    FP16 prefill); each method's hooks see its own rows only (:meth:`Method.after_forward_batch`).
+    A pair's scores equal those of its arm's :meth:`~ModelRunner.score_batch` up to the rounding of
+    batched matrix products (tests/test_batched_decode.py states the tolerance). Returns one list of
+    :class:`Scored` per runner, in the pairs' order; each row's ``seconds`` is the batch's time over
+    all its rows."""
+    if first not in SCORE_FIRST:
+        raise ValueError(f"first={first!r}: one of {', '.join(SCORE_FIRST)}")
+    if not runners or not pairs:
+        raise ValueError("score_arms takes one or more runners and pairs")
+    lead = runners[0]
+    if any(r.model is not lead.model for r in runners):
+        raise ValueError("score_arms: every arm's runner must be on the same model object")
+    refused = [r.method.label() for r in runners if not joins_arm_batch(r.method)]
+    if refused:
+        raise ValueError(f"score_arms: {', '.join(refused)} cannot share a batched forward with other arms")
+    lengths = {c.shape[1] for _, c in pairs}
+    if len(lengths) != 1:
+        raise ValueError(f"score_arms takes pairs whose continuations have one length, got {sorted(lengths)}")
+    n = lengths.pop()
+    need = 1 if first == "prefill" else 2
+    if any(ctx.shape[1] < need for ctx, _ in pairs):
+        raise ValueError(f"scoring with first={first!r} in a batch needs at least {need} context tokens")
+    t0 = time.perf_counter()
+    split = [scoring_inputs(ctx, cont, first) for ctx, cont in pairs]
+    stored = [s.reshape(1, -1) for s, _ in split]
+    fed = torch.cat([f for _, f in split])
+    targets = torch.cat([cont for _, cont in pairs])
+    caches, last = [], []
+    for runner in runners:
+        runner.method.new_request(n)
+        for row, sub in zip(stored, runner.new_batch_cache(len(stored)).sequences, strict=True):
+            last.append(runner.prefill(row, sub)[0, -1])
+            runner.method.prefilled_alone(sub)
+            caches.append(sub)
+    arms = len(runners)
+    cache = SequenceBatchCache(caches)
+    cache.adopt_prefilled([r.shape[1] for r in stored] * arms)
+    fed, targets = fed.repeat(arms, 1), targets.repeat(arms, 1)
+    rows = len(caches)
+    pending = torch.stack(last)[:, None]
+    nll = torch.empty(rows, n)
+    greedy = torch.ones(rows, dtype=torch.bool)
+    per_arm = len(pairs)
+    for start in range(0, n, chunk):
+        piece = fed[:, start : start + chunk].to(lead.device)
+        target = targets[:, start : start + piece.shape[1]]
+        q = piece.shape[1]
+        starts = cache.starts(q)
+        mask = cache.attention_mask(q, lead.device)
+        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -q:]
+        logits = lead.model(
+            input_ids=piece, attention_mask=mask, position_ids=position_ids, **cache.forward_kwargs()
+        ).logits.float()
+        for a, runner in enumerate(runners):
+            own = slice(a * per_arm, (a + 1) * per_arm)
+            runner.method.after_forward_batch(caches[own], piece[own], logits[own], starts[own])
+        if first == "prefill":
+            step_logits = torch.cat([pending, logits], dim=1)
+            pending = step_logits[:, -1:]
+            logits = step_logits[:, :-1]
+        logp = torch.log_softmax(logits, dim=-1)
+        target = target.to(logp.device)
+        nll[:, start : start + q] = -logp.gather(-1, target[..., None])[..., 0].cpu()
+        greedy &= (logp.argmax(-1) == target).all(dim=-1).cpu()
+    seconds = (time.perf_counter() - t0) / rows
+    out: list[list[Scored]] = []
+    for a, runner in enumerate(runners):
+        scored = []
+        for i in range(a * per_arm, (a + 1) * per_arm):
+            memory = memory_report(caches[i].layers)
+            runner.method.end_request(caches[i])
+            scored.append(Scored(nll[i].tolist(), memory, seconds, bool(greedy[i])))
+        out.append(scored)
+    note_decode_step("eager")
+    return out

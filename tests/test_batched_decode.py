@@ -29,6 +29,7 @@ import torch
 from tiny_archs import VOCAB, kvbench_logits, loaded, tiny_model
 
 from kvbench.cache.batch import PER_SEQUENCE, SequenceBatchCache
+from kvbench.generate import score_arms
 from kvbench.methods import METHODS, build_method
 
 STEPS = 8
@@ -232,3 +233,39 @@ def test_score_batch_equals_alone(llama, case, first, chunk):
             assert b.nll[0] == a.nll[0]
     with pytest.raises(ValueError, match="one length"):
         runner.score_batch([(contexts[0], conts[0]), (contexts[1], conts[1][:, :3])])
+
+
+# every case whose method declares it may share a batch with other methods' rows
+ARM_CASES = [c for c in [*NODES, *EXTRA] if build_method(node_for(c)).arm_batch]
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_score_arms_equals_each_arms_own_batch(llama, chunk):
+    """All declaring methods' rows in one batched forward (:func:`score_arms`): each arm scores as its
+    own :meth:`score_batch` does, the same storage, greedy flags and first token bit for bit, the
+    later ones within the rounding of a batched step (module docstring)."""
+    assert {"fp16", "kivi", "kvquant", "uniform", "intactkv", "h2o"} <= set(ARM_CASES)
+    assert not {"semkv", "specache"} & set(ARM_CASES)
+    runners = [runner_for(llama, node_for(c)) for c in ARM_CASES]
+    contexts = prompts_of(RAGGED)
+    conts = [c[:, :STEPS] for c in prompts_of((20, 20, 20))]
+    pairs = list(zip(contexts, conts, strict=True))
+    together = score_arms(runners, pairs, chunk=chunk)
+    assert len(together) == len(runners)
+    for case, runner, scored in zip(ARM_CASES, runners, together, strict=True):
+        own = runner.score_batch(pairs, chunk=chunk)
+        for a, b in zip(own, scored, strict=True):
+            assert b.memory == a.memory and b.greedy == a.greedy, case
+            assert b.nll[0] == a.nll[0], case
+            torch.testing.assert_close(torch.tensor(b.nll), torch.tensor(a.nll), rtol=1e-4, atol=1e-3)
+
+
+def test_score_arms_refuses_what_cannot_share(llama):
+    pairs = [(prompts_of((12,))[0], prompts_of((20,))[0][:, :4])]
+    fp16 = runner_for(llama, node_for("fp16"))
+    for case in ("specache", "semkv"):
+        with pytest.raises(ValueError, match="cannot share a batched forward"):
+            score_arms([fp16, runner_for(llama, node_for(case))], pairs)
+    other = runner_for(tiny_model("llama"), node_for("fp16"))
+    with pytest.raises(ValueError, match="same model object"):
+        score_arms([fp16, other], pairs)

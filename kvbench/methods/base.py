@@ -222,6 +222,12 @@ class Method:
     # tests/cache/test_prefill.py checks every declaring method's cache holds the same bytes after
     # a shared prefill as after its own.
     fp16_prefill: ClassVar[bool] = False
+    # Whether this method's rows may share a batched forward with other methods' rows (one row per
+    # arm of a sweep, each in its own cache: kvbench.generate.score_arms): its storage and hooks act
+    # per sequence cache only, never on the model (SemKV's hidden-state hooks see every row of a
+    # forward). Declared, never assumed: tests/test_batched_decode.py checks each declaring method
+    # scores the same in a batch of arms as in its own batch.
+    arm_batch: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig):
         self.config = config

@@ -120,6 +120,8 @@ def build_matched(node: dict[str, Any]) -> Method:
 class EvictionMethod(Method):
     """Builds a policy's layers and resolves their budgets."""
 
+    arm_batch = True
+
     Config: ClassVar[type[EvictionConfig]] = EvictionConfig
     # the contract reads every token back, so the budget exceeds its 340 tokens (nothing is evicted,
     # FP16 bytes); what the policies keep is tested in tests/methods/test_eviction.py

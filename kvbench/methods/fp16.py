@@ -55,6 +55,7 @@ class FullPrecisionLayer(KVLayer):
 @register_method("fp16")
 class FP16(Method):
     fp16_prefill = True
+    arm_batch = True
     Config = FP16Config
 
     def make_layer(self, layer_idx, shape, model_dtype):

@@ -61,6 +61,7 @@ class KIVIConfig(AffineKVConfig):
 @register_method("kivi")
 class KIVI(Method):
     fp16_prefill = True
+    arm_batch = True
     Config = KIVIConfig
 
     def make_layer(self, layer_idx, shape, model_dtype):

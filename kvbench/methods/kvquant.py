@@ -265,6 +265,7 @@ class KVQuantLayer(KVLayer):
 @register_method("kvquant")
 class KVQuant(Method):
     fp16_prefill = True
+    arm_batch = True
     Config = KVQuantConfig
     # the contract's shape has no rope_theta and no model to calibrate on: post-RoPE, prompt statistics
     contract_node = {"bits": 2, "calibrate": False, "pre_rope": False}

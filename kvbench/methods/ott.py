@@ -285,6 +285,7 @@ class OTTLayer(KIVILayer):
 @register_method("ott")
 class OTT(Method):
     fp16_prefill = True
+    arm_batch = True
     Config = OTTConfig
     Layer = OTTLayer
 

@@ -546,6 +546,7 @@ class ReadKVLayer(CompositeLayer):
 @register_method("readkv")
 class ReadKV(Method):
     fp16_prefill = True
+    arm_batch = True
     Config = ReadKVConfig
     # 6 stored bits: 8 + fp16 params (1 bit at G = 32) would not fit the contract's < FP16/2 check
     contract_node = {"bits": 6, "read_bits": 3}

@@ -192,6 +192,7 @@ class TurboQuantLayer(CompositeLayer):
 @register_method("turboquant")
 class TurboQuant(Method):
     fp16_prefill = True
+    arm_batch = True
     Config = TurboQuantConfig
     Layer = TurboQuantLayer
 

@@ -102,5 +102,6 @@ class UniformLayer(CompositeLayer):
 @register_method("uniform")
 class Uniform(Method):
     fp16_prefill = True
+    arm_batch = True
     Config = UniformConfig
     Layer = UniformLayer
