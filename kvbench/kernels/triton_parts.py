@@ -413,13 +413,18 @@ class _Plan:
             self.block_n = max(16, min(INTERPRETER_BLOCK_N, _pow2(tokens)))
             splits = max(1, min(INTERPRETER_SPLITS, -(-tokens // self.block_n)))
         else:
-            if self.use_dot:
+            if self.use_dot and self.block_d > 64:
                 # 64-token blocks with 4 warps spill at head_dim 128 (3.6: up to 8.8 KB per thread, 64 KB
-                # of shared memory) and at 64 (3.9: 136-816 B); 32 tokens a block with 8 warps take
-                # 80-156 registers and spill nothing, but for an 8-byte stack frame at head_dim 64 with
-                # 3 levels on sm_90 (kvbench.kernels.compile_check; 4 warps spill 104-128 B at 64)
+                # of shared memory); 32 tokens a block with 8 warps take 80-200 registers and spill
+                # nothing (kvbench.kernels.compile_check, benchmarks/triton_compile.md)
                 self.block_n = 32
                 self.num_warps = 8
+            elif self.use_dot:
+                # head_dim <= 64: 64-token blocks spill (4 warps: 136-816 B, 3.9; 8 warps: 3.6 KB on
+                # sm_80 in mix), 32 with 4 warps 104-128 B, 32 with 8 warps an 8-byte stack frame at 3
+                # and 6 levels on sm_90; 16 tokens with 4 warps: 80-128 registers, no stack, 12-20 KB
+                # of shared memory, at every level count, sm_90 and sm_80
+                self.block_n = 16
             else:
                 fit = GPU_SUM_TILE // (self.block_m * self.block_d)
                 self.block_n = max(8, min(64, 1 << max(fit, 1).bit_length() - 1))
