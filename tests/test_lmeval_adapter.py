@@ -198,13 +198,18 @@ def local_tasks_only(monkeypatch):
     ("model_args", "key", "says"),
     [
         ("method=kivi,residual=32", "residual", "did you mean method.residual?"),
-        ("method=kivi,pretrained=/nonexistent", "pretrained", "use model.path"),
-        ("method=kivi,dtype=bfloat16", "dtype", "use model.dtype"),
+        (
+            "method=kivi,pretrained=/nonexistent",
+            "pretrained",
+            "or a Hugging Face Hub id (owner/name); no such folder",
+        ),
+        ("method=kivi,dtype=float64", "model.dtype", "one of float32, float16, bfloat16"),
         ("method=fp16,method.residual=32", "method.residual", "allowed: backend, bits, cuda_graph, fp_dtype"),
         ("method=kivi,method.residul=32", "method.residul", "did you mean residual?"),
         ("model.dtype=float64", "model.dtype", "one of float32, float16, bfloat16"),
         ("model.colour=red", "model.colour", "allowed:"),
-        ("method=kivi,batch_size=8", "batch_size", "1 or auto"),
+        ("method=kivi,batch_size=0", "batch_size", "a positive int, auto or auto:N"),
+        ("chunk=0", "chunk", "auto (one forward per request"),
         ("method=nosuch", "method.name", "registered methods are"),
         ("model=nosuch", "model", "known model nodes: "),
         ("bits=-1", "bits", "a positive number"),
@@ -218,9 +223,19 @@ def test_model_args_are_read_strictly(model_args, key, says):
         KVBenchLM.create_from_arg_string(model_args)
     assert err.value.key.startswith(key), str(err.value)
     assert says in str(err.value) and "\n" not in str(err.value)
-    if key in ("residual", "pretrained", "dtype"):
+    if key == "residual":
         allowed = str(err.value).split("allowed: ")[1].split(", ")
-        assert {"model", "method", "bits", "model.path", "model.dtype", "method.residual"} <= set(allowed)
+        expected = {
+            "model",
+            "method",
+            "bits",
+            "model.path",
+            "pretrained",
+            "tokenizer",
+            "dtype",
+            "method.residual",
+        }
+        assert expected <= set(allowed)
 
 
 def test_model_args_set_the_nodes_as_the_run_command_line_does():
