@@ -20,6 +20,7 @@ method's cache passed as ``cache=``.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from kvbench.cache import KVBenchCache, MemoryReport, memory_report
 from kvbench.cache.batch import SequenceBatchCache, sequence_caches
 from kvbench.cache.prefill import SHARED_PREFILLS, record_prefill, replay_prefill, token_digest
 from kvbench.cache.sliding import with_window_layers
+from kvbench.cache.stack import split_sequences, stack_sequences
 from kvbench.cache.static import StaticStep, note_decode_step
 from kvbench.methods import Method, ModelShape
 
@@ -417,6 +419,28 @@ class ModelRunner:
         cache.adopt_prefilled(lengths)
         return cache, torch.stack(logits), lengths
 
+    def stacked(self, cache: SequenceBatchCache) -> KVBenchCache | None:
+        """The batch's sequences (each holding the same tokens) as one cache of B rows
+        (:func:`kvbench.cache.stack.stack_sequences`), or None where the method's storage or hooks
+        act per sequence: a method that drives its own step or reads each forward's outputs keeps
+        the per-sequence path, as does a static (graph) step."""
+        method = type(self.method)
+        if method.decode_step is not Method.decode_step or method.after_forward is not Method.after_forward:
+            return None
+        base = getattr(self.method.config, "base_method", None)  # IntactKV stores as its base does
+        if not self.method.stack_rows or (base is not None and not base.stack_rows):
+            return None
+        first = cache.sequences[0]
+        if first.static:
+            return None
+        layers = stack_sequences([sub.layers for sub in cache.sequences])
+        if layers is None:
+            return None
+        out = copy.copy(first)
+        out.layers = layers
+        out._returned = {}
+        return out
+
     @torch.no_grad()
     def score_batch(
         self, pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk: int = 1, first: str = "prefill"
@@ -444,14 +468,21 @@ class ModelRunner:
         stored = [s for s, _ in split]
         fed = torch.cat([f for _, f in split])
         targets = torch.cat([cont for _, cont in pairs])  # [B, N]
-        cache, last, _ = self.prefill_alone(stored)
+        cache, last, lengths = self.prefill_alone(stored)
+        # equal lengths need no padding: the rows go into one cache of B rows where the method's
+        # storage allows (kvbench.cache.stack), one attention call and one append per part
+        stacked = self.stacked(cache) if len(set(lengths)) == 1 else None
+        step_cache = stacked if stacked is not None else cache
         pending = last[:, None]  # [B, 1, vocab]: the logits predicting the next piece's first token
         nll = torch.empty(len(pairs), n)
         greedy = torch.ones(len(pairs), dtype=torch.bool)
         for start in range(0, n, chunk):
             piece = fed[:, start : start + chunk]
             target = targets[:, start : start + piece.shape[1]]
-            logits = self.decode_step(piece, cache) if piece.shape[1] == 1 else self.forward(piece, cache)
+            if piece.shape[1] == 1:
+                logits = self.decode_step(piece, step_cache)
+            else:
+                logits = self.forward(piece, step_cache)
             if first == "prefill":
                 step_logits = torch.cat([pending, logits], dim=1)
                 pending = step_logits[:, -1:]
@@ -461,6 +492,9 @@ class ModelRunner:
             nll[:, start : start + piece.shape[1]] = -logp.gather(-1, target[..., None])[..., 0].cpu()
             greedy &= (logp.argmax(-1) == target).all(dim=-1).cpu()
         seconds = (time.perf_counter() - t0) / len(pairs)
+        if stacked is not None:  # each sequence's rows back into its own cache
+            for sub, layers in zip(cache.sequences, split_sequences(stacked.layers, len(pairs)), strict=True):
+                sub.layers = layers
         out = []
         for i, sub in enumerate(cache.sequences):
             memory = memory_report(sub.layers)

@@ -269,3 +269,31 @@ def test_score_arms_refuses_what_cannot_share(llama):
     other = runner_for(tiny_model("llama"), node_for("fp16"))
     with pytest.raises(ValueError, match="same model object"):
         score_arms([fp16, other], pairs)
+
+
+@pytest.mark.parametrize("case", [*NODES, *EXTRA])
+def test_equal_windows_score_as_one_cache_of_b_rows(llama, case, monkeypatch):
+    """Contexts of one length (a perplexity task's windows) are scored in one cache of B rows where
+    the method's storage stacks (kvbench.cache.stack): each window's scores and bytes as through the
+    per-sequence path, and as alone."""
+    runner = runner_for(llama, node_for(case))
+    pairs = list(zip(prompts_of(EQUAL), [c[:, :STEPS] for c in prompts_of((20, 20, 20))], strict=True))
+    seen = []
+    stacked = runner.stacked
+
+    def spy(cache):
+        out = stacked(cache)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(runner, "stacked", spy)
+    batch = runner.score_batch(pairs, chunk=3)
+    monkeypatch.setattr(runner, "stacked", lambda cache: None)
+    per_sequence = runner.score_batch(pairs, chunk=3)
+    alone = [runner.score(c, n, chunk=3) for c, n in pairs]
+    stacks = runner.method.config.name in {"fp16", "uniform", "kivi", "intactkv"}
+    assert seen == [stacks], (case, seen)
+    for a, p, b in zip(alone, per_sequence, batch, strict=True):
+        assert b.memory == p.memory == a.memory and b.greedy == a.greedy
+        torch.testing.assert_close(torch.tensor(b.nll), torch.tensor(p.nll), rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(torch.tensor(b.nll), torch.tensor(a.nll), rtol=1e-4, atol=1e-3)

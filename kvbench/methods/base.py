@@ -228,6 +228,10 @@ class Method:
     # forward). Declared, never assumed: tests/test_batched_decode.py checks each declaring method
     # scores the same in a batch of arms as in its own batch.
     arm_batch: ClassVar[bool] = False
+    # Whether a batch of equal-length sequences may be decoded as one cache of B rows
+    # (kvbench.cache.stack): everything the layers hold per sequence stays in batch-first token
+    # buffers through the whole request. Declared, never assumed (tests/test_batched_decode.py).
+    stack_rows: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig):
         self.config = config

@@ -56,6 +56,7 @@ class FullPrecisionLayer(KVLayer):
 class FP16(Method):
     fp16_prefill = True
     arm_batch = True
+    stack_rows = True
     Config = FP16Config
 
     def make_layer(self, layer_idx, shape, model_dtype):

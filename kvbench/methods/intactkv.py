@@ -71,6 +71,7 @@ class IntactKVConfig(MethodConfig):
 @register_method("intactkv")
 class IntactKV(Method):
     arm_batch = True  # where its base's does (kvbench.generate.joins_arm_batch)
+    stack_rows = True
     Config = IntactKVConfig
     fp16_prefill = True  # as its base's is (prefill_is_fp16)
 

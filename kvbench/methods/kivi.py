@@ -62,6 +62,7 @@ class KIVIConfig(AffineKVConfig):
 class KIVI(Method):
     fp16_prefill = True
     arm_batch = True
+    stack_rows = True
     Config = KIVIConfig
 
     def make_layer(self, layer_idx, shape, model_dtype):

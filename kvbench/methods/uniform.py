@@ -103,5 +103,6 @@ class UniformLayer(CompositeLayer):
 class Uniform(Method):
     fp16_prefill = True
     arm_batch = True
+    stack_rows = True
     Config = UniformConfig
     Layer = UniformLayer
