@@ -288,9 +288,14 @@ def claims_results(
 
     papers = declarations if isinstance(declarations, list) else load_papers(declarations, conf_dir)
     claims = claims_of(papers)
+    seen = {str(m) for f in frames.values() for m in f["model"].dropna().unique()}
     if models is None:
-        seen = {str(m) for f in frames.values() for m in f["model"].dropna().unique()}
         models = sorted(seen | {DEFAULT_MODEL})
+    shipped = {p.stem for p in (conf_dir or CONF).joinpath("model").glob("*.yaml")}
+    for model in models:
+        if model not in seen | shipped | {DEFAULT_MODEL}:
+            known = ", ".join(sorted(seen | shipped | {DEFAULT_MODEL}))
+            raise ReportError(f"--model={model}: no runs and no model node of that name; models: {known}")
     return {m: evaluate_claims(claims, frames, m, seed=seed, n_resamples=n_resamples) for m in models}
 
 

@@ -330,6 +330,10 @@ def _planning_overrides(overrides: Sequence[str]) -> list[str]:
     return [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
 
 
+# How a node's plan says that the user's --override makes one of its points invalid.
+OVERRIDE_REFUSED = "--override: "
+
+
 def plan_node(
     node: str,
     profile: str = "cpu",
@@ -373,6 +377,14 @@ def plan_node(
                     job.samples, job.seconds, job.source = first.samples, first.seconds, first.source
                     continue
                 config = job_config(loader.load_sweep_config(master, job.overrides))
+                if overrides:  # the user's --override: each point is checked as a run checks it
+                    from kvbench.spec import RunSpec
+
+                    try:
+                        RunSpec.from_config(config)
+                    except ConfigError as err:
+                        plan.error = f"{OVERRIDE_REFUSED}{err}"
+                        return plan
                 job.samples = samples_per_job(config)
                 job.folder, job.method, job.model = _run_folder(config)
                 if compose:
@@ -672,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
                 for n in nodes
             ]
             dry_run(plans)
+            refused = [p for p in plans if p.error and p.error.startswith(OVERRIDE_REFUSED)]
+            if refused:
+                raise ReproduceError(f"{refused[0].error} (node {refused[0].node}; {len(refused)} node(s))")
             return 0
         return reproduce(args)
     except ReproduceError as err:

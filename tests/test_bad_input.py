@@ -521,3 +521,20 @@ def test_command_line_error_in_a_fresh_interpreter(tmp_path, inputs):
     assert proc.stderr.startswith("kvbench: error: method.group_size=48: must divide head_dim=64")
     assert len(proc.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []  # not even Hydra's folder, nor a stray one in the cwd
+
+
+def test_reproduce_dry_run_refuses_an_invalid_override(capsys):
+    from kvbench.reproduce import main as reproduce_main
+
+    assert reproduce_main(["--override", "bits=0", "--dry-run", "--only", "kivi_axis_ablation"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("kvbench.reproduce: error: --override: bits=0: a positive number"), last
+
+
+def test_report_claims_refuses_an_unknown_model(tmp_path, capsys):
+    from kvbench.report import main as report_main
+
+    assert report_main(["--claims", "--model", "nope", "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvbench.report: error: --model=nope: no runs"), err
+    assert "smollm2-135m" in err[0] and not list(tmp_path.rglob("nope*"))
