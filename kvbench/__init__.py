@@ -4,7 +4,7 @@ import os
 
 from omegaconf import OmegaConf
 
-__version__ = "0.1.0"
+from kvbench.version import __version__
 
 # Hydra's run and sweep folders (kvbench/conf/config.yaml) end in ${kvbench.pid:} after a microsecond
 # timestamp, so two processes started at the same moment never share one. Registered here because

@@ -150,6 +150,7 @@ from tqdm import tqdm
 
 from kvbench.cache import MemoryReport, memory_report
 from kvbench.errors import ConfigError
+from kvbench.version import __version__
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for generate_until when a task sets none
 DEFAULT_MODEL = "smollm2-135m"
@@ -704,12 +705,10 @@ class KVBenchLM(TemplateLM):
     def get_model_info(self) -> dict[str, Any]:
         """What lm-eval adds to its results' ``config`` (called after the requests ran): lm-eval's
         standard ``model_*`` fields and kvbench's own under ``kvbench``."""
-        import kvbench
-
         method, model = self.method, self.runner.model
         scoring = self.scoring()
         info = {
-            "version": kvbench.__version__,
+            "version": __version__,
             "name": self.display_name(),
             "method": method.label(),
             "label": self.label(),

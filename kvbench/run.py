@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-import kvbench
 from kvbench import paths
 from kvbench.cache.static import decode_steps_seen
 from kvbench.errors import ConfigError, Interrupted, Terminated
@@ -55,6 +54,7 @@ from kvbench.spec import (  # noqa: F401
     run_config,
     run_folder,
 )
+from kvbench.version import __version__
 
 
 def _git(*args: str) -> str | None:
@@ -84,7 +84,7 @@ def code_identity(method: Method, task: Any) -> dict[str, Any]:
     return {
         "git_commit": _git_commit(),
         "git_dirty": _git_dirty(),
-        "kvbench": kvbench.__version__,
+        "kvbench": __version__,
         "method_version": type(method.config).version,
         "task_version": getattr(task.config, "version", None),
     }
@@ -129,7 +129,7 @@ def versions() -> dict[str, Any]:
     import transformers
 
     return {
-        "kvbench": kvbench.__version__,
+        "kvbench": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
