@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import hydra
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import paths
@@ -515,11 +516,28 @@ def cli(argv: list[str]) -> None:
     register()
     try:
         check_argv(argv)
+        for node in paths.shadowed_nodes():
+            shipped = node.relative_to(next(d for d in paths.user_config_dirs() if node.is_relative_to(d)))
+            print(
+                f"kvbench: warning: {node} has the name of a shipped node (kvbench/conf/{shipped}), which "
+                "Hydra reads instead; rename yours to use it",
+                file=sys.stderr,
+            )
         preflight(argv)
     except ConfigError as err:
         if verbose:
             traceback.print_exc()
         print(f"kvbench: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except yaml.YAMLError as err:  # a config node of the user's that does not parse
+        if verbose:
+            traceback.print_exc()
+        mark = getattr(err, "problem_mark", None)
+        where = f"{mark.name}: line {mark.line + 1}, column {mark.column + 1}" if mark else "a config node"
+        print(
+            f"kvbench: error: {where}: not valid YAML ({getattr(err, 'problem', None) or err})",
+            file=sys.stderr,
+        )
         sys.exit(2)
     sys.argv = [sys.argv[0], *argv]
     main()

@@ -80,3 +80,23 @@ def test_config_path_folders_are_searched_and_bad_entries_are_one_line(tmp_path,
     with pytest.raises(ConfigError):
         paths.user_config_dirs()
     assert paths.user_config_dirs(strict=False) == [REPO / "conf"]  # the checkout's own
+
+
+def test_a_node_that_does_not_parse_is_one_line(tmp_path):
+    (tmp_path / "conf" / "method").mkdir(parents=True)
+    bad = tmp_path / "conf" / "method" / "mine.yaml"
+    bad.write_text("name: kivi\nbits: [2\n")
+    proc = run_cli("+method=mine", *TINY, cwd=tmp_path)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"kvbench: error: {bad.resolve()}: line 3, column 1: not valid YAML ("), line
+
+
+def test_a_node_with_a_shipped_name_is_a_warning(tmp_path):
+    (tmp_path / "conf" / "method").mkdir(parents=True)
+    mine = tmp_path / "conf" / "method" / "kivi.yaml"
+    mine.write_text("name: uniform\nbits: 3\n")
+    proc = run_cli("+method=kivi", "--cfg", "job", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (warning,) = [line for line in proc.stderr.splitlines() if line.startswith("kvbench: warning:")]
+    assert str(mine.resolve()) in warning and "kvbench/conf/method/kivi.yaml" in warning
