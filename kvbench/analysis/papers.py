@@ -645,7 +645,7 @@ def read_paper(file: str | Path, conf_dir: str | Path | None = None) -> Paper:
             reader.fail(f"accounting.{err.key}".rstrip("."), doc["accounting"], err.problem)
     entries = doc.get("claims") or []
     if not isinstance(entries, list):
-        reader.fail("claims", entries, "must be a list of claims (see kvbench/analysis/claims.py)")
+        reader.fail("claims", entries, "must be a list of claims (see kvbench/analysis/claims/schema.py)")
     try:
         claims = tuple(
             validate(e, i, Path(conf_dir) if conf_dir else None, paper=name, accounting=accounting)
