@@ -288,15 +288,24 @@ def claims_results(
 
     papers = declarations if isinstance(declarations, list) else load_papers(declarations, conf_dir)
     claims = claims_of(papers)
-    seen = {str(m) for f in frames.values() for m in f["model"].dropna().unique()}
     if models is None:
+        seen = {str(m) for f in frames.values() for m in f["model"].dropna().unique()}
         models = sorted(seen | {DEFAULT_MODEL})
-    shipped = {p.stem for p in (conf_dir or CONF).joinpath("model").glob("*.yaml")}
-    for model in models:
-        if model not in seen | shipped | {DEFAULT_MODEL}:
-            known = ", ".join(sorted(seen | shipped | {DEFAULT_MODEL}))
-            raise ReportError(f"--model={model}: no runs and no model node of that name; models: {known}")
     return {m: evaluate_claims(claims, frames, m, seed=seed, n_resamples=n_resamples) for m in models}
+
+
+def check_models(frames: dict[str, pd.DataFrame], models: list[str] | None) -> None:
+    """``--model`` names a model with runs, or one with a model node (its claims are then "not
+    run"); anything else is a ReportError listing both, before a page is written."""
+    from kvbench.analysis.claims import DEFAULT_MODEL
+
+    seen = {str(m) for f in frames.values() for m in f["model"].dropna().unique()}
+    known = seen | {p.stem for p in CONF.joinpath("model").glob("*.yaml")} | {DEFAULT_MODEL}
+    for model in models or []:
+        if model not in known:
+            raise ReportError(
+                f"--model={model}: no runs and no model node of that name; models: {', '.join(sorted(known))}"
+            )
 
 
 def claims_markdown(model: str, results: list, frames: dict[str, pd.DataFrame] | None = None) -> str:
@@ -761,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if len(bad) else 0
         if args.regenerate:
             frames = _frames(args.runs, results)
+            check_models(frames, args.model)
             paths = regenerate(frames, results, args.declarations, args.model, args.seed, args.resamples)
             for path in paths:
                 print(f"wrote: {path}")
@@ -774,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name not in known:
                     raise ReportError(f"--paper={name}: no such paper; papers: {', '.join(known)}")
             frames = _frames(args.runs, results)
+            check_models(frames, args.model)
             by_model = claims_results(frames, papers, args.model, args.seed, args.resamples)
             chosen = [known[name] for name in args.paper]
             for path in write_papers(by_model, frames, results / "papers", args.seed, args.resamples, chosen):
@@ -784,6 +795,7 @@ def main(argv: list[str] | None = None) -> int:
             from kvbench.analysis.claims import claims_table, verdict_counts
 
             frames = _frames(args.runs, results)
+            check_models(frames, args.model)
             by_model = claims_results(frames, args.declarations, args.model, args.seed, args.resamples)
             for model, claim_results in by_model.items():
                 print(f"## {model}\n")
