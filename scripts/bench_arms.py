@@ -4,8 +4,11 @@ The arms of ``kivi_axis_ablation`` (uniform 2 and 4 bits, keys and values per to
 score the same perplexity windows (random tokens, ``--context`` + ``--continuation``, fed in chunks
 of ``--chunk``) on the default model, in one process, interleaved:
 
-- ``one by one``: each arm's :meth:`~kvbench.generate.ModelRunner.score_batch` over all windows
-  (what a run does today: its windows as rows of one batch);
+- ``one by one, per sequence``: each arm's :meth:`~kvbench.generate.ModelRunner.score_batch` over
+  all windows, its windows as rows of one batch each in its own cache (the path before
+  :mod:`kvbench.cache.stack`);
+- ``one by one``: the same, the windows (all of one length) in one cache of B rows where the
+  method stacks (what a run does now);
 - ``arms together``: :func:`kvbench.generate.score_arms`, every arm's windows in one batch
   (``arms x windows`` rows, each through its own method's cache), the weights read once per chunk
   for all arms.
@@ -89,12 +92,24 @@ def main() -> None:
         for r in runners:
             r.score_batch(pairs, chunk=args.chunk)
 
+    def per_sequence():
+        for r in runners:
+            r.stacked = lambda cache: None  # the per-sequence path
+            try:
+                r.score_batch(pairs, chunk=args.chunk)
+            finally:
+                del r.stacked
+
     def together():
         score_arms(runners, pairs, chunk=args.chunk)
 
-    times = {"one by one": [], "arms together": []}
+    times = {"one by one, per sequence": [], "one by one": [], "arms together": []}
     for rep in range(args.reps):
-        order = [("one by one", one_by_one), ("arms together", together)]
+        order = [
+            ("one by one, per sequence", per_sequence),
+            ("one by one", one_by_one),
+            ("arms together", together),
+        ]
         for label, fn in order if rep % 2 == 0 else order[::-1]:
             t0 = time.perf_counter()
             fn()
@@ -109,8 +124,12 @@ def main() -> None:
     for label, ts in times.items():
         rate = len(runners) * args.windows * 3600 / (min(ts) * torch.get_num_threads())
         print(f"| {label} | {', '.join(f'{t:.1f}' for t in ts)} | {min(ts):.1f} | {rate:.0f} |")
-    ratio = min(times["one by one"]) / min(times["arms together"])
-    print(f"\narms together / one by one: {ratio:.2f}x faster (best of each)")
+    base = min(times["one by one, per sequence"])
+    print()
+    for label in ("one by one", "arms together"):
+        print(
+            f"{label} against one by one, per sequence: {base / min(times[label]):.2f}x faster (best of each)"
+        )
     shares = profile_shares(runners[1], pairs, args.chunk)
     print(
         f"\none arm alone ({runners[1].method.label()}), profiled: {shares['seconds']:.1f} s; linear layers "
