@@ -5,6 +5,10 @@
 #
 #   bash scripts/gpu_wheels.sh          # then: carry ".whl" to the device, bash scripts/gpu_check.sh
 #
+# GPU_WHEELS_PYTHON (default 3.12) picks the interpreter the wheels are for, GPU_WHEELS_DEST another
+# folder than .whl/ (scripts/gpu_rehearse.sh builds 3.11 ones in .rehearse/ and leaves the device's
+# .whl/ alone), GPU_WHEELS_TRANSFORMERS the transformers version.
+#
 # What travels (docs/gpu_check.md says why):
 #   - omegaconf (kvbench imports it at top level) and antlr4-python3-runtime 4.9.3, its dependency,
 #     which exists only as a source distribution: built into a wheel here;
@@ -16,7 +20,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DEST="$ROOT/.whl"
+DEST="${GPU_WHEELS_DEST:-$ROOT/.whl}"
 PYVER="${GPU_WHEELS_PYTHON:-3.12}"
 MAX_MB="${GPU_WHEELS_MAX_MB:-48}"
 if [[ -n "${PYTHON:-}" ]]; then
@@ -50,8 +54,8 @@ wheels=("$DEST"/*.whl)
 ls -l "${wheels[@]}" | awk '{printf "  %8.1f KB  %s\n", $5 / 1024, $NF}'
 bytes=$(cat "${wheels[@]}" | wc -c)
 mb=$((bytes / 1024 / 1024))
-tree_mb=$(git -C "$ROOT" ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -1 | awk '{print int($1 / 1048576)}')
-echo "gpu_wheels: ${#wheels[@]} wheels, ${mb} MiB in .whl (tracked tree ${tree_mb} MiB; 64 MiB travel in all)"
+tree_mb=$(git -C "$ROOT" ls-files -z | (cd "$ROOT" && du -cb --files0-from=- 2>/dev/null) | tail -1 | awk '{print int($1 / 1048576)}')
+echo "gpu_wheels: ${#wheels[@]} wheels, ${mb} MiB in ${DEST#"$ROOT"/} (tracked tree ${tree_mb} MiB; 64 MiB travel in all)"
 if ((mb > MAX_MB)); then
     echo "gpu_wheels: ${mb} MiB of wheels > GPU_WHEELS_MAX_MB=${MAX_MB}" >&2
     exit 1
