@@ -47,14 +47,17 @@ def gpu_launch_config(d: int) -> tuple[int, int]:
     """``(block_n, num_warps)`` of the partial kernel on a GPU for head dim ``d``.
 
     Chosen from the compiled kernels' ptxas resource usage for sm_90 and sm_80 (python -m
-    kvbench.kernels.compile_check; the committed table is benchmarks/triton_compile.md). At d = 64,
-    64 tokens a block with 4 warps take ~200-230 registers and spill nothing. At d = 128 that tile
-    spills under every Triton tried (triton 3.6: 32 registers and 3.2-3.5 KB of stack per thread; 3.9:
-    0.8-3.4 KB): 32 tokens a block with 8 warps take 198-244 registers and spill nothing (3.6 and
-    3.9, sm_90 and sm_80), at 26 KB of shared memory. The ``tl.dot`` stays ieee (exact to float32
-    rounding); tf32 would free registers (120-178) at ~1e-3 relative error.
+    kvbench.kernels.compile_check; the committed tables are benchmarks/triton_compile.md, triton 3.9,
+    and benchmarks/triton_compile_3.6.md, the lent H200's triton). At d = 64, 64 tokens a block with
+    4 warps take 200-255 registers: no spill under 3.9, but 8-16 B of stack at 5 levels (4-byte
+    base-5 words) under 3.6; with 8 warps the same tile takes 186-242 registers and spills nothing
+    under either (the token block, hence the serial walk of a split, stays 64). At d = 128 the
+    64-token tile spills under every Triton tried (triton 3.6: 32 registers and 3.2-3.5 KB of stack
+    per thread; 3.9: 0.8-3.4 KB): 32 tokens a block with 8 warps take 198-248 registers and spill
+    nothing (3.6 and 3.9, sm_90 and sm_80), at 26 KB of shared memory. The ``tl.dot`` stays ieee
+    (exact to float32 rounding); tf32 would free registers (120-178) at ~1e-3 relative error.
     """
-    return (64, 4) if d <= 64 else (32, 8)
+    return (64, 8) if d <= 64 else (32, 8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,7 +545,7 @@ def fused_decode_attention(
         extra_keys, extra_values: full-precision ``[B, H_kv, E, D]`` or None (both or neither), seen
             by every query.
         block_n: tokens per inner iteration (power of two >= 16); default on GPU 64 for D <= 64 and
-            32 (with 8 warps) above, without register spills (:func:`gpu_launch_config`); large on
+            32 above, with 8 warps, without register spills (:func:`gpu_launch_config`); large on
             the interpreter.
         num_splits: slices of the token axis (flash-decoding); default fills the GPU (1 on CPU).
         input_precision: of the two ``tl.dot`` products. ``"ieee"`` (default) is float32 exact to

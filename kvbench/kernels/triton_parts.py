@@ -422,9 +422,11 @@ class _Plan:
             elif self.use_dot:
                 # head_dim <= 64: 64-token blocks spill (4 warps: 136-816 B, 3.9; 8 warps: 3.6 KB on
                 # sm_80 in mix), 32 with 4 warps 104-128 B, 32 with 8 warps an 8-byte stack frame at 3
-                # and 6 levels on sm_90; 16 tokens with 4 warps: 80-128 registers, no stack, 12-20 KB
-                # of shared memory, at every level count, sm_90 and sm_80
+                # and 6 levels on sm_90 (3.9), 16 with 4 warps 8 B at 5 levels in mix on sm_80 (3.6);
+                # 16 tokens with 8 warps: 40-96 registers, no stack, 16-20 KB of shared memory, at
+                # every level count, sm_90 and sm_80, triton 3.6 and 3.9
                 self.block_n = 16
+                self.num_warps = 8
             else:
                 fit = GPU_SUM_TILE // (self.block_m * self.block_d)
                 self.block_n = max(8, min(64, 1 << max(fit, 1).bit_length() - 1))

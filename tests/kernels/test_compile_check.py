@@ -77,11 +77,11 @@ def test_every_launched_kernel_compiles_for_sm90_and_sm80_without_spills(compile
         assert r["stack"] == 0 and 0 < r["regs"] <= 255, r
 
 
-def test_the_fused_decode_kernel_at_head_dim_128_uses_the_no_spill_tile(compiled):
+def test_the_fused_decode_kernel_uses_the_no_spill_tiles(compiled):
     rows = [r for r in compiled if r["kernel"] == "_decode_partial_kernel"]
     assert {r["d"] for r in rows} == {64, 128}
     for r in rows:
-        assert (r["block_n"], r["warps"]) == ((64, 4) if r["d"] == 64 else (32, 8)), r
+        assert (r["block_n"], r["warps"]) == ((64, 8) if r["d"] == 64 else (32, 8)), r
 
 
 def test_the_prefill_chunk_part_kernel_fits_its_shared_memory(compiled):
@@ -89,9 +89,9 @@ def test_the_prefill_chunk_part_kernel_fits_its_shared_memory(compiled):
     assert {r["d"] for r in chunk} == {64, 128}, "a prefill-chunk (tl.dot) head_dim was not traced"
     for r in chunk:
         assert r["shared"] <= 100 * 1024 and r["stack"] == 0, r
-        # head_dim 128: 32 tokens with 8 warps; 64: 16 tokens with 4 (32 with 8 left 8 B of stack
-        # at 3 and 6 levels on sm_90)
-        assert (r["block_n"], r["warps"]) == ((16, 4) if r["d"] == 64 else (32, 8)), r
+        # head_dim 128: 32 tokens with 8 warps; 64: 16 tokens with 8 (32 left 8 B of stack at 3 and
+        # 6 levels on sm_90 under triton 3.9, 16 with 4 warps 8 B at 5 levels on sm_80 under 3.6)
+        assert (r["block_n"], r["warps"]) == ((16, 8) if r["d"] == 64 else (32, 8)), r
 
 
 SKIP_CHILD = r"""
