@@ -7,6 +7,11 @@ of the earlier ones are drawn uniformly without replacement; the rest are evicte
 appended without eviction, as SnapKV's are, so the two compare at the same memory. The draw comes
 from a generator seeded with ``(seed, layer)``: the same configuration keeps the same tokens on
 every run (``seed`` defaults to the run's top-level seed, so seeds sweep the random pattern).
+
+The scores are drawn on the device of the keys, by a generator of that device: nothing is built on
+the host and copied over at each prefill. On the CPU that is the same generator and the same draw as
+ever (the golden outputs hold); a CUDA generator with the same seed draws a different (Philox)
+stream, so a CUDA run keeps a different, equally seeded and reproducible, selection than a CPU run.
 """
 
 from __future__ import annotations
@@ -40,10 +45,11 @@ class RandomPruneLayer(EvictionLayer):
         return self.window
 
     def candidate_scores(self, query, keys, mask, scaling, n_candidates):
-        # i.i.d. uniform scores: their top-k is a uniform draw of k candidates without replacement
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.layer_idx)
-        scores = torch.rand(self.batch_size, self.num_kv_heads, n_candidates, generator=gen)
-        return scores.to(self.k.device)
+        # i.i.d. uniform scores: their top-k is a uniform draw of k candidates without replacement,
+        # drawn where the keys are (on the CPU exactly the CPU generator's draw of before)
+        device = keys.device
+        gen = torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + self.layer_idx)
+        return torch.rand(self.batch_size, self.num_kv_heads, n_candidates, generator=gen, device=device)
 
 
 @register_method("random_prune")

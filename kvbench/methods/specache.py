@@ -47,8 +47,12 @@ and sent to the accelerator when the next forward substitutes them, by which tim
 long arrived (the decode loop reads its token between the two forwards). With CUDA the host store
 is pinned, so the row copy to the accelerator does not block either. Only the non-speculative fetch
 (Table 4), which attends its own top-k in the same forward, waits for its indices. Offloading new
-tokens is a plain copy. Without CUDA the same logic runs on the CPU, host and "device" both being
-host memory.
+tokens (every layer, every step) does not block either with CUDA: each layer's keys and values are
+copied into the pinned host store on a side stream (:func:`offload_stream`, after the current
+stream's work that produced them), and an event recorded after the copy is what the next reader of
+the store waits for (:meth:`HostTokens.wait`: the gather of the next forward's prefetch, or a growth
+of the buffer), so the host waits only for a copy a forward old. Without CUDA the same logic runs on
+the CPU, host and "device" both being host memory, with plain copies and no streams or events.
 
 Accounting: :meth:`SpeCacheLayer.held_tensors` is what the accelerator holds (codes, scales, zeros,
 residual, the current prefetched rows); :meth:`SpeCacheLayer.host_tensors` the FP16 host store.
@@ -148,18 +152,40 @@ SPECULATIVE_STEP = Plan(store=1, select=1, use_fetched=True)
 EXACT = Plan(store=None, select=-1, use_fetched=False, exact=True)
 
 
+_OFFLOAD_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def offload_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream on which SpeCache copies new tokens to the host, one per CUDA device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _OFFLOAD_STREAMS:
+        _OFFLOAD_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _OFFLOAD_STREAMS[index]
+
+
 class HostTokens:
     """FP16 tokens ``[B, H_kv, T, D]`` in host memory (pinned when CUDA exists), in a buffer that
-    holds the prompt exactly and grows by ``max(HOST_BLOCK, capacity // HOST_GROWTH)`` tokens."""
+    holds the prompt exactly and grows by ``max(HOST_BLOCK, capacity // HOST_GROWTH)`` tokens.
+
+    Tokens from a CUDA device arrive without blocking (a copy on :func:`offload_stream` into the
+    pinned buffer, ``copied`` its event); whatever reads or moves the buffer on the host first calls
+    :meth:`wait`. CPU tokens are copied at once, as before."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self.buf: torch.Tensor | None = None
         self.n = 0
         self.pin = torch.cuda.is_available()
+        self.copied: torch.cuda.Event | None = None  # the last pending device-to-host copy
 
     def _alloc(self, shape) -> torch.Tensor:
         return torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=self.pin)
+
+    def wait(self) -> None:
+        """Block until the pending copies into the buffer have landed (nothing to do on the CPU)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
 
     def append(self, x: torch.Tensor) -> None:
         t = x.shape[-2]
@@ -170,13 +196,27 @@ class HostTokens:
             cap = need if self.buf is None else need + max(HOST_BLOCK, self.buf.shape[-2] // HOST_GROWTH)
             grown = self._alloc((*x.shape[:-2], cap, x.shape[-1]))
             if self.n:
+                self.wait()  # the old buffer's last rows may still be arriving
                 grown[..., : self.n, :].copy_(self.buf[..., : self.n, :])
             self.buf = grown
-        self.buf[..., self.n : need, :].copy_(x.to(self.dtype))
+        dst = self.buf[..., self.n : need, :]
+        if x.device.type == "cuda" and self.buf.is_pinned():
+            src = x.to(self.dtype)  # cast on the device, on the current stream
+            side = offload_stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))  # after the work that made x
+            with torch.cuda.stream(side):
+                dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(side)
+            src.record_stream(side)  # its memory is not reused before the copy has read it
+            self.copied = event  # the side stream is in order: this event covers earlier copies
+        else:
+            dst.copy_(x.to(self.dtype))
         self.n = need
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         """Rows ``idx [B, H_kv, k]`` (host, int64) of every head: ``[B, H_kv, k, D]`` on the host."""
+        self.wait()
         b, h, k = idx.shape
         cap, d = self.buf.shape[-2:]
         # one index_select of whole rows over the flat buffer (a gather's per-element index is slower)
@@ -185,6 +225,7 @@ class HostTokens:
         return torch.index_select(self.buf.view(b * h * cap, d), 0, flat, out=out).view(b, h, k, d)
 
     def tensors(self) -> list[torch.Tensor]:
+        """The buffer, for accounting (its size; its last rows may still be arriving: see wait)."""
         return [] if self.buf is None else [self.buf]
 
 
