@@ -74,6 +74,10 @@ def test_heatmap_draws_each_methods_pivot():
         shown = np.ma.filled(ax.get_images()[0].get_array(), np.nan)
         np.testing.assert_allclose(shown, niah_table(ROWS, method).to_numpy())
         assert ax.get_images()[0].get_clim() == (0.0, 1.0)
+        # colour-blind safe: lightness rises monotonically from missed to found (no red-green map)
+        cmap = ax.get_images()[0].get_cmap()
+        grey = [0.299 * r + 0.587 * g + 0.114 * b for r, g, b, _ in cmap(np.linspace(0, 1, 32))]
+        assert cmap.name == "cividis" and all(b > a for a, b in zip(grey[:-1], grey[1:], strict=True))
     assert panels[1].get_title().endswith(f"mean {(0 + 1 + 1 / 3) / 3:.2f}")
 
 

@@ -61,14 +61,19 @@ def niah_summary(rows: pd.DataFrame | Iterable[dict[str, Any]], metric: str = "s
     return pd.DataFrame(out).set_index("method")
 
 
+# Perceptually uniform and readable with the common colour-vision deficiencies (and in greyscale).
+HEATMAP_CMAP = "cividis"
+
+
 def niah_heatmap(
     rows: pd.DataFrame | Iterable[dict[str, Any]],
     methods: Sequence[str] | None = None,
     metric: str = "score",
     annotate: bool = True,
 ):
-    """A matplotlib Figure with one depth x length heatmap per method (same colour scale, 0..1, red
-    = needle missed, green = found), each titled with the method and its grid mean."""
+    """A matplotlib Figure with one depth x length heatmap per method (same colour scale, 0..1,
+    dark = needle missed, light = found: cividis, which reads the same to colour-blind eyes and in
+    greyscale, where a red-green map does not), each titled with the method and its grid mean."""
     import matplotlib.pyplot as plt  # the caller's backend: a report saves, a notebook shows
 
     frame = niah_frame(rows, metric)
@@ -81,7 +86,7 @@ def niah_heatmap(
     image = None
     for ax, method in zip(axes[0], methods, strict=True):
         table = niah_table(frame, method, metric)
-        image = ax.imshow(table.to_numpy(), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+        image = ax.imshow(table.to_numpy(), cmap=HEATMAP_CMAP, vmin=0.0, vmax=1.0, aspect="auto")
         ax.set_xticks(range(table.shape[1]), [str(c) for c in table.columns], rotation=45)
         ax.set_yticks(range(table.shape[0]), [f"{d:g}" for d in table.index])
         ax.set_xlabel("context length (tokens)")
@@ -90,8 +95,9 @@ def niah_heatmap(
             for i in range(table.shape[0]):
                 for j in range(table.shape[1]):
                     value = table.iat[i, j]
-                    if pd.notna(value):
-                        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
+                    if pd.notna(value):  # light text on the dark end of the map
+                        colour = "white" if value < 0.5 else "black"
+                        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color=colour)
     axes[0][0].set_ylabel("needle depth (%)")
     fig.colorbar(image, ax=axes[0].tolist(), label=metric)
     return fig
