@@ -509,6 +509,10 @@ def cli(argv: list[str]) -> None:
     """``python -m kvbench ARGS``: check everything, then hand the command line to Hydra."""
     verbose = "--verbose" in argv or os.environ.get("HYDRA_FULL_ERROR") == "1"
     argv = [a for a in argv if a != "--verbose"]
+    if ("--help" in argv or "-h" in argv) and "--resolve" not in argv:
+        # the config --help prints, with kvbench's interpolations (a model node's own values, the
+        # task's length from the model) resolved: the values a run would take, not ${...} text
+        argv = [*argv, "--resolve"]
     from kvbench.launchers import register
 
     # hydra/launcher=submitit_* report a sweep on this terminal and take kvbench's knobs

@@ -178,6 +178,9 @@ def test_help_names_kvbench_and_hides_internal_groups():
     assert {"method", "model", "task", "experiment", "logger"} <= groups
     assert not [g for g in groups if g.startswith("experiment/arms")]
     assert f"method: {nodes('method')}" in proc.stdout
+    # the config as a run takes it: kvbench's interpolations resolved, none left as ${...} text
+    config = proc.stdout.split("== Config ==")[1]
+    assert "${" not in config and "  name: smollm2-135m" in config and "max_context: 8192" in config
 
 
 def test_info_lists_each_launcher_once():
