@@ -106,7 +106,10 @@ def memory_quality(
     means: pd.DataFrame, reference: str = "fp16", metric: str = "score", title: str | None = None
 ) -> Figure:
     """Mean score (with its interval) against effective bits per value (everything held, from the
-    per-sample accounting), one point per configuration, labelled; the reference as a line."""
+    per-sample accounting), one point per configuration; the reference as a line. The bits axis is
+    logarithmic (base 2), so that 2-, 3- and 4-bit points spread out beside FP16's 16 instead of
+    crowding a linear 2-16 axis. The legend names each family; a point is labelled with its grid
+    value only (``2b``), where its family has several, so labels stay short and apart."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     pts = means.dropna(subset=["effective_bits"])
     stacked: dict[tuple[float, float], int] = {}
@@ -130,12 +133,14 @@ def memory_quality(
             ls="-" if len(group) > 1 else "none",
             label=name,
         )
+        if len(group) == 1 or not group["bits"].notna().all():
+            continue  # the legend names the point
         for row in group.itertuples():
             # Points that coincide (two arms at one memory and score) get their labels stacked.
             spot = (round(float(row.effective_bits), 1), round(float(row.mean), 2))
             stacked[spot] = stacked.get(spot, -1) + 1
             ax.annotate(
-                row.method,
+                f"{row.bits:g}b",
                 (row.effective_bits, row.mean),
                 fontsize=7,
                 xytext=(3, 3 - 9 * stacked[spot]),
@@ -144,7 +149,13 @@ def memory_quality(
     ref = means[means["method"] == reference]
     if not ref.empty:
         ax.axhline(ref.iloc[0]["mean"], color="black", lw=1, ls=":", label=f"{reference} mean")
-    ax.set_xlabel("effective bits per value (all bytes held / values)")
+    if not pts.empty:
+        ax.set_xscale("log", base=2)
+        low, high = float(pts["effective_bits"].min()), float(pts["effective_bits"].max())
+        ticks = [t for t in (0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32) if low / 1.2 <= t <= high * 1.2]
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+    ax.set_xlabel("effective bits per value (all bytes held / values; log scale)")
     ax.set_ylabel(f"{metric} (mean, bootstrap CI)")
     ax.legend(fontsize=8)
     ax.set_title(title or "Memory against quality")
