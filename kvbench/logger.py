@@ -16,6 +16,7 @@ figures and tables. It must never cost a run: results are written to the run fol
 
 from __future__ import annotations
 
+import json
 import math
 import netrc
 import os
@@ -193,11 +194,13 @@ class WandbLogger:
             self.run = None
 
     def log_run(self, metrics: dict[str, Any]) -> None:
-        """A run's ``metrics.json`` content: numeric leaves logged once and set as the summary."""
+        """A run's ``metrics.json`` content: numeric leaves logged once and set as the summary; and
+        its samples (the run folder's ``samples.jsonl``) as one table, ``samples``."""
         flat = flatten({k: metrics.get(k) or {} for k in ("metrics", "memory", "timings")})
 
         def _log():
-            self.run.log(flat)
+            table = sample_table(metrics.get("folder"))
+            self.run.log({**flat, **({"samples": table} if table is not None else {})})
             self.run.summary.update({**flat, "primary_metric": metrics.get("primary_metric")})
 
         self._guard("log", _log)
@@ -236,6 +239,33 @@ class WandbLogger:
 
                 self._guard("teardown", wandb.teardown)
             self.run = None
+
+
+# Per-sample columns the table keeps besides the row's scalars: its memory report's headline.
+SAMPLE_MEMORY_KEYS = ("effective_bits", "code_bits", "compression", "total_bytes")
+
+
+def sample_table(folder: str | Path | None):
+    """A ``wandb.Table`` of the run folder's rows: every scalar column (ids, scores, prediction,
+    seconds), the memory report's headline figures as ``memory/<key>``; None without rows."""
+    import wandb
+
+    path = Path(folder) / "samples.jsonl" if folder else None
+    if path is None or not path.is_file():
+        return None
+    rows = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        flat = {k: v for k, v in row.items() if isinstance(v, (str, int, float, bool)) or v is None}
+        memory = row.get("memory") or {}
+        flat.update({f"memory/{k}": memory.get(k) for k in SAMPLE_MEMORY_KEYS if k in memory})
+        rows.append(flat)
+    if not rows:
+        return None
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    return wandb.Table(columns=columns, data=[[row.get(c) for c in columns] for row in rows])
 
 
 def build_logger(node: dict[str, Any] | None) -> NullLogger | WandbLogger:

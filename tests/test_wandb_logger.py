@@ -301,3 +301,24 @@ def test_runs_and_their_report_share_the_experiments_group(wandb_env, monkeypatc
     assert (report["job_type"], report["group"]) == ("report", "synthetic_cliff")
     assert report["config"]["runs"] == sorted(result["frame"]["run_id"].unique())
     assert "id" not in report
+
+
+def test_a_runs_samples_are_one_table(wandb_env, monkeypatch, stored, tmp_path):
+    import json
+
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    rows = [
+        {"sample_id": "a", "score": 1.0, "prediction": "42", "memory": {"effective_bits": 3.8, "x": {}}},
+        {"sample_id": "b", "score": 0.0, "prediction": "7", "memory": {"effective_bits": 4.1}},
+    ]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kvlog.log_run(CONFIG, {**METRICS, "folder": str(tmp_path)})
+    table = stored["history"][0]["samples"]
+    assert isinstance(table, wandb.Table)
+    assert table.columns == ["sample_id", "score", "prediction", "memory/effective_bits"]
+    assert table.data == [["a", 1.0, "42", 3.8], ["b", 0.0, "7", 4.1]]
+    # a run folder without rows (or none named) logs no table
+    kvlog.log_run(CONFIG, {**METRICS, "folder": str(tmp_path / "missing")})
+    assert "samples" not in stored["history"][-1]
