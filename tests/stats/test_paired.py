@@ -68,6 +68,17 @@ def test_sign_flip_exact_matches_brute_force(d, alternative):
     assert sign_flip_test(d, alternative=alternative) == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("alternative", ["two-sided", "greater", "less"])
+def test_sign_flip_exact_equals_scipys_permutation_test(alternative):
+    # scipy as the oracle: a one-sample permutation test of the mean flips the signs of the pairs,
+    # every one of the 2**n assignments when n_resamples is infinite
+    d = np.array([0.8, -0.3, 1.7, 0.45, 0.2, -0.05, 1.1, 0.6, -0.7, 0.9])
+    theirs = sps.permutation_test(
+        (d,), np.mean, permutation_type="samples", n_resamples=np.inf, alternative=alternative
+    ).pvalue
+    assert sign_flip_test(d, alternative=alternative) == pytest.approx(theirs, rel=1e-12)
+
+
 def test_sign_flip_hand_values():
     # All six positive: only the identity assignment reaches the observed sum (one-sided 1/64);
     # two-sided adds the all-negative assignment.
@@ -148,6 +159,14 @@ def test_mcnemar_exact_hand_case():
     # b = c: the doubled tail exceeds 1 and is capped.
     assert mcnemar_test(*_binary_pairs(3, 4, 4, 3))[1] == 1.0
     assert mcnemar_test(*_binary_pairs(3, 0, 0, 3)) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize(("b", "c"), [(1, 7), (0, 5), (6, 2), (9, 9), (3, 14)])
+def test_mcnemar_exact_equals_scipys_binomial_test(b, c):
+    # scipy as the oracle: the exact test is a two-sided binomial test of b among the b + c
+    # discordant pairs at 1/2
+    _, p = mcnemar_test(*_binary_pairs(both=4, b=b, c=c, neither=2))
+    assert p == pytest.approx(sps.binomtest(b, b + c, 0.5).pvalue, rel=1e-12)
 
 
 def test_mcnemar_chi_square_hand_case():
