@@ -88,6 +88,81 @@ def scoring_inputs(
     return context_ids[:, :-1], torch.cat([context_ids[:, -1:], continuation_ids[:, :-1]], dim=1)
 
 
+def check_scoring_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], first: str, who: str) -> int:
+    """The continuation length N that every pair of a batched scoring shares; ValueError naming
+    ``who`` where ``first`` is unknown, the lengths differ, or a context is too short for ``first``."""
+    if first not in SCORE_FIRST:
+        raise ValueError(f"first={first!r}: one of {', '.join(SCORE_FIRST)}")
+    lengths = {c.shape[1] for _, c in pairs}
+    if not pairs or len(lengths) != 1:
+        raise ValueError(f"{who} takes pairs whose continuations have one length, got {sorted(lengths)}")
+    need = 1 if first == "prefill" else 2
+    if any(ctx.shape[1] < need for ctx, _ in pairs):
+        raise ValueError(f"scoring with first={first!r} in a batch needs at least {need} context tokens")
+    return lengths.pop()
+
+
+def padded_forward(model, input_ids: torch.Tensor, cache: SequenceBatchCache, device) -> tuple:
+    """One forward of ``input_ids [R, q]`` over a :class:`SequenceBatchCache`, with the batch's
+    attention mask and each sequence's own positions (``cumsum(mask) - 1``, as transformers'
+    ``generate`` builds them). Returns ``(float32 logits [R, q, vocab], each row's first real
+    column)``; the method hooks are the caller's."""
+    q = input_ids.shape[1]
+    starts = cache.starts(q)
+    mask = cache.attention_mask(q, device)
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -q:]
+    logits = model(
+        input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **cache.forward_kwargs()
+    ).logits.float()
+    return logits, starts
+
+
+class _BatchScoring:
+    """The bookkeeping of a batched scoring (:meth:`ModelRunner.score_batch`,
+    :func:`score_arms`): what each pair stores and feeds (:func:`scoring_inputs`), its rows
+    repeated ``repeat`` times (one block per arm), and each row's negative log-likelihoods and
+    greedy flag as the forwards' logits arrive."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], first: str, repeat: int = 1):
+        split = [scoring_inputs(ctx, cont, first) for ctx, cont in pairs]
+        self.first = first
+        self.stored = [s for s, _ in split]
+        self.fed = torch.cat([f for _, f in split]).repeat(repeat, 1)
+        self.targets = torch.cat([cont for _, cont in pairs]).repeat(repeat, 1)  # [R, N]
+        rows, n = self.targets.shape
+        self.nll = torch.empty(rows, n)
+        self.greedy = torch.ones(rows, dtype=torch.bool)
+        self.pending: torch.Tensor | None = None
+
+    def begin(self, last: torch.Tensor) -> None:
+        """``last [R, vocab]``: each row's prefill logits, predicting its first continuation token."""
+        self.pending = last[:, None]
+
+    def pieces(self, chunk: int):
+        """``(start, fed tokens [R, c])`` of each forward, ``chunk`` tokens at a time."""
+        for start in range(0, self.fed.shape[1], chunk):
+            yield start, self.fed[:, start : start + chunk]
+
+    def take(self, start: int, logits: torch.Tensor) -> None:
+        """The logits ``[R, c, vocab]`` of the piece fed at ``start``."""
+        if self.first == "prefill":
+            step_logits = torch.cat([self.pending, logits], dim=1)
+            self.pending = step_logits[:, -1:]
+            logits = step_logits[:, :-1]
+        c = logits.shape[1]
+        logp = torch.log_softmax(logits, dim=-1)  # [R, c, vocab]
+        target = self.targets[:, start : start + c].to(logp.device)
+        self.nll[:, start : start + c] = -logp.gather(-1, target[..., None])[..., 0].cpu()
+        self.greedy &= (logp.argmax(-1) == target).all(dim=-1).cpu()
+
+    def scored(self, row: int, cache: KVBenchCache, method: Method, seconds: float) -> Scored:
+        """Row ``row``'s :class:`Scored`, its cache's memory report read before the method ends
+        the request."""
+        memory = memory_report(cache.layers)
+        method.end_request(cache)
+        return Scored(self.nll[row].tolist(), memory, seconds, bool(self.greedy[row]))
+
+
 class ModelRunner:
     """A loaded model plus the method whose cache every request gets."""
 
@@ -186,13 +261,7 @@ class ModelRunner:
         return forward
 
     def _forward_batch(self, input_ids: torch.Tensor, cache: SequenceBatchCache) -> torch.Tensor:
-        q = input_ids.shape[1]
-        starts = cache.starts(q)
-        mask = cache.attention_mask(q, self.device)
-        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -q:]
-        logits = self.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **cache.forward_kwargs()
-        ).logits.float()
+        logits, starts = padded_forward(self.model, input_ids, cache, self.device)
         self.method.after_forward_batch(sequence_caches(cache), input_ids, logits, starts)
         return logits
 
@@ -451,55 +520,27 @@ class ModelRunner:
         one batch, each row through its own cache of the method. Each pair's scores equal its
         :meth:`score` alone up to the rounding of batched matrix products
         (tests/test_batched_decode.py); its ``seconds`` is the batch's time over the pairs."""
-        if first not in SCORE_FIRST:
-            raise ValueError(f"first={first!r}: one of {', '.join(SCORE_FIRST)}")
-        lengths = {c.shape[1] for _, c in pairs}
-        if not pairs or len(lengths) != 1:
-            raise ValueError(
-                f"score_batch takes pairs whose continuations have one length, got {sorted(lengths)}"
-            )
-        n = lengths.pop()
-        need = 1 if first == "prefill" else 2
-        if any(ctx.shape[1] < need for ctx, _ in pairs):
-            raise ValueError(f"scoring with first={first!r} in a batch needs at least {need} context tokens")
+        n = check_scoring_pairs(pairs, first, "score_batch")
         t0 = time.perf_counter()
         self.method.new_request(n)
-        split = [scoring_inputs(ctx, cont, first) for ctx, cont in pairs]
-        stored = [s for s, _ in split]
-        fed = torch.cat([f for _, f in split])
-        targets = torch.cat([cont for _, cont in pairs])  # [B, N]
-        cache, last, lengths = self.prefill_alone(stored)
+        scoring = _BatchScoring(pairs, first)
+        cache, last, lengths = self.prefill_alone(scoring.stored)
         # equal lengths need no padding: the rows go into one cache of B rows where the method's
         # storage allows (kvbench.cache.stack), one attention call and one append per part
         stacked = self.stacked(cache) if len(set(lengths)) == 1 else None
         step_cache = stacked if stacked is not None else cache
-        pending = last[:, None]  # [B, 1, vocab]: the logits predicting the next piece's first token
-        nll = torch.empty(len(pairs), n)
-        greedy = torch.ones(len(pairs), dtype=torch.bool)
-        for start in range(0, n, chunk):
-            piece = fed[:, start : start + chunk]
-            target = targets[:, start : start + piece.shape[1]]
+        scoring.begin(last)
+        for start, piece in scoring.pieces(chunk):
             if piece.shape[1] == 1:
                 logits = self.decode_step(piece, step_cache)
             else:
                 logits = self.forward(piece, step_cache)
-            if first == "prefill":
-                step_logits = torch.cat([pending, logits], dim=1)
-                pending = step_logits[:, -1:]
-                logits = step_logits[:, :-1]
-            logp = torch.log_softmax(logits, dim=-1)  # [B, c, vocab]
-            target = target.to(logp.device)
-            nll[:, start : start + piece.shape[1]] = -logp.gather(-1, target[..., None])[..., 0].cpu()
-            greedy &= (logp.argmax(-1) == target).all(dim=-1).cpu()
+            scoring.take(start, logits)
         seconds = (time.perf_counter() - t0) / len(pairs)
         if stacked is not None:  # each sequence's rows back into its own cache
             for sub, layers in zip(cache.sequences, split_sequences(stacked.layers, len(pairs)), strict=True):
                 sub.layers = layers
-        out = []
-        for i, sub in enumerate(cache.sequences):
-            memory = memory_report(sub.layers)
-            self.method.end_request(sub)
-            out.append(Scored(nll[i].tolist(), memory, seconds, bool(greedy[i])))
+        out = [scoring.scored(i, sub, self.method, seconds) for i, sub in enumerate(cache.sequences)]
         note_decode_step("eager")
         return out
 
@@ -586,8 +627,6 @@ def score_arms(
     batched matrix products (tests/test_batched_decode.py states the tolerance). Returns one list of
     :class:`Scored` per runner, in the pairs' order; each row's ``seconds`` is the batch's time over
     all its rows."""
-    if first not in SCORE_FIRST:
-        raise ValueError(f"first={first!r}: one of {', '.join(SCORE_FIRST)}")
     if not runners or not pairs:
         raise ValueError("score_arms takes one or more runners and pairs")
     lead = runners[0]
@@ -596,63 +635,31 @@ def score_arms(
     refused = [r.method.label() for r in runners if not joins_arm_batch(r.method)]
     if refused:
         raise ValueError(f"score_arms: {', '.join(refused)} cannot share a batched forward with other arms")
-    lengths = {c.shape[1] for _, c in pairs}
-    if len(lengths) != 1:
-        raise ValueError(f"score_arms takes pairs whose continuations have one length, got {sorted(lengths)}")
-    n = lengths.pop()
-    need = 1 if first == "prefill" else 2
-    if any(ctx.shape[1] < need for ctx, _ in pairs):
-        raise ValueError(f"scoring with first={first!r} in a batch needs at least {need} context tokens")
+    n = check_scoring_pairs(pairs, first, "score_arms")
     t0 = time.perf_counter()
-    split = [scoring_inputs(ctx, cont, first) for ctx, cont in pairs]
-    stored = [s.reshape(1, -1) for s, _ in split]
-    fed = torch.cat([f for _, f in split])
-    targets = torch.cat([cont for _, cont in pairs])
-    caches, last = [], []
+    arms, per_arm = len(runners), len(pairs)
+    scoring = _BatchScoring(pairs, first, repeat=arms)
+    caches, last, lengths = [], [], []
     for runner in runners:
         runner.method.new_request(n)
-        for row, sub in zip(stored, runner.new_batch_cache(len(stored)).sequences, strict=True):
-            last.append(runner.prefill(row, sub)[0, -1])
-            runner.method.prefilled_alone(sub)
-            caches.append(sub)
-    arms = len(runners)
+        arm, arm_last, arm_lengths = runner.prefill_alone(scoring.stored)
+        caches += arm.sequences
+        last.append(arm_last)
+        lengths += arm_lengths
     cache = SequenceBatchCache(caches)
-    cache.adopt_prefilled([r.shape[1] for r in stored] * arms)
-    fed, targets = fed.repeat(arms, 1), targets.repeat(arms, 1)
-    rows = len(caches)
-    pending = torch.stack(last)[:, None]
-    nll = torch.empty(rows, n)
-    greedy = torch.ones(rows, dtype=torch.bool)
-    per_arm = len(pairs)
-    for start in range(0, n, chunk):
-        piece = fed[:, start : start + chunk].to(lead.device)
-        target = targets[:, start : start + piece.shape[1]]
-        q = piece.shape[1]
-        starts = cache.starts(q)
-        mask = cache.attention_mask(q, lead.device)
-        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -q:]
-        logits = lead.model(
-            input_ids=piece, attention_mask=mask, position_ids=position_ids, **cache.forward_kwargs()
-        ).logits.float()
+    cache.adopt_prefilled(lengths)
+    scoring.begin(torch.cat(last))
+    for start, piece in scoring.pieces(chunk):
+        piece = piece.to(lead.device)
+        logits, starts = padded_forward(lead.model, piece, cache, lead.device)
         for a, runner in enumerate(runners):
             own = slice(a * per_arm, (a + 1) * per_arm)
             runner.method.after_forward_batch(caches[own], piece[own], logits[own], starts[own])
-        if first == "prefill":
-            step_logits = torch.cat([pending, logits], dim=1)
-            pending = step_logits[:, -1:]
-            logits = step_logits[:, :-1]
-        logp = torch.log_softmax(logits, dim=-1)
-        target = target.to(logp.device)
-        nll[:, start : start + q] = -logp.gather(-1, target[..., None])[..., 0].cpu()
-        greedy &= (logp.argmax(-1) == target).all(dim=-1).cpu()
-    seconds = (time.perf_counter() - t0) / rows
-    out: list[list[Scored]] = []
-    for a, runner in enumerate(runners):
-        scored = []
-        for i in range(a * per_arm, (a + 1) * per_arm):
-            memory = memory_report(caches[i].layers)
-            runner.method.end_request(caches[i])
-            scored.append(Scored(nll[i].tolist(), memory, seconds, bool(greedy[i])))
-        out.append(scored)
+        scoring.take(start, logits)
+    seconds = (time.perf_counter() - t0) / len(caches)
+    out = [
+        [scoring.scored(i, caches[i], runner.method, seconds) for i in range(a * per_arm, (a + 1) * per_arm)]
+        for a, runner in enumerate(runners)
+    ]
     note_decode_step("eager")
     return out
