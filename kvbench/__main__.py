@@ -520,8 +520,7 @@ def cli(argv: list[str]) -> None:
     register()
     try:
         check_argv(argv)
-        for node in paths.shadowed_nodes():
-            shipped = node.relative_to(next(d for d in paths.user_config_dirs() if node.is_relative_to(d)))
+        for node, shipped in paths.shadowed_nodes():
             print(
                 f"kvbench: warning: {node} has the name of a shipped node (kvbench/conf/{shipped}), which "
                 "Hydra reads instead; rename yours to use it",

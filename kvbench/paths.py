@@ -167,14 +167,16 @@ def user_config_dirs(strict: bool = True) -> list[Path]:
     return found
 
 
-def shadowed_nodes(strict: bool = True) -> list[Path]:
-    """The user's config nodes that have the group and name of a shipped node: Hydra finds the
-    shipped one first (:data:`CONF_DIR` leads the search path), so the user's is never read."""
+def shadowed_nodes(strict: bool = True) -> list[tuple[Path, Path]]:
+    """``(node, its path under CONF_DIR)`` for each of the user's config nodes that has the group
+    and name of a shipped node: Hydra finds the shipped one first (:data:`CONF_DIR` leads the search
+    path), so the user's is never read."""
     shadowed = []
     for folder in user_config_dirs(strict):
         for node in sorted(folder.rglob("*.yaml")):
-            if (CONF_DIR / node.relative_to(folder)).is_file():
-                shadowed.append(node)
+            name = node.relative_to(folder)
+            if (CONF_DIR / name).is_file():
+                shadowed.append((node, name))
     return shadowed
 
 

@@ -358,6 +358,8 @@ def plan_node(
         plan.error = str(err)
         return plan
     argv = [f"+experiment={plan.config_name}", *_planning_overrides(overrides)]
+    if overrides:  # the points are checked as runs (spec imports torch: only when asked)
+        from kvbench.spec import RunSpec
     results = Path(results) if results is not None else default_results()
     try:
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3", job_name="kvbench"):
@@ -378,8 +380,6 @@ def plan_node(
                     continue
                 config = job_config(loader.load_sweep_config(master, job.overrides))
                 if overrides:  # the user's --override: each point is checked as a run checks it
-                    from kvbench.spec import RunSpec
-
                     try:
                         RunSpec.from_config(config)
                     except ConfigError as err:

@@ -77,11 +77,12 @@ def sweep_run_folders(sweep: str | Path) -> list[Path]:
     return sorted({r["folder"] for r in read_records(sweep) if r["folder"].is_dir()})
 
 
-def write_index(sweep: str | Path) -> Path | None:
+def write_index(sweep: str | Path, records: list[dict[str, Any]] | None = None) -> Path | None:
     """:data:`INDEX` of ``sweep``: ``{"runs": [{"job", "folder", "finished"}, ...]}`` with folders
-    relative to the sweep's folder; None when the sweep holds no record."""
+    relative to the sweep's folder, from ``records`` (default: :func:`read_records`); None when the
+    sweep holds no record."""
     sweep = Path(sweep)
-    records = read_records(sweep)
+    records = read_records(sweep) if records is None else records
     if not records:
         return None
     runs = [
@@ -109,11 +110,11 @@ class SweepSummary(Callback):
         sweep = Path(str(config.hydra.sweep.dir))
         if not sweep.is_dir():
             return
-        index = write_index(sweep)
+        records = read_records(sweep)
+        index = write_index(sweep, records)
         target = str(config.hydra.launcher.get("_target_", ""))
         if index is None or not target.endswith("BasicLauncher"):
             return
-        records = read_records(sweep)
         rows = [{"job": r["job"], **r["row"]} for r in records if r.get("row")]
         unfinished = [r["job"] for r in records if not r.get("row")]
         if rows:
