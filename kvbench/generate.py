@@ -88,6 +88,13 @@ def scoring_inputs(
     return context_ids[:, :-1], torch.cat([context_ids[:, -1:], continuation_ids[:, :-1]], dim=1)
 
 
+def declared(method: Method, flag: str) -> bool:
+    """Whether ``method`` declares the class flag ``flag`` (``stack_rows``, ``arm_batch``), and so
+    does the method it stores as, where it has one (IntactKV's base)."""
+    base = getattr(method.config, "base_method", None)
+    return bool(getattr(method, flag)) and (base is None or declared(base, flag))
+
+
 def check_scoring_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], first: str, who: str) -> int:
     """The continuation length N that every pair of a batched scoring shares; ValueError naming
     ``who`` where ``first`` is unknown, the lengths differ, or a context is too short for ``first``."""
@@ -496,8 +503,7 @@ class ModelRunner:
         method = type(self.method)
         if method.decode_step is not Method.decode_step or method.after_forward is not Method.after_forward:
             return None
-        base = getattr(self.method.config, "base_method", None)  # IntactKV stores as its base does
-        if not self.method.stack_rows or (base is not None and not base.stack_rows):
+        if not declared(self.method, "stack_rows"):
             return None
         first = cache.sequences[0]
         if first.static:
@@ -605,9 +611,7 @@ def joins_arm_batch(method: Method) -> bool:
     """Whether ``method``'s rows may share a batched forward with other methods' rows
     (:func:`score_arms`): it declares :attr:`Method.arm_batch` and runs its decode steps as plain
     forwards (a method that drives its own step, as SpeCache does, cannot share it)."""
-    base = getattr(method.config, "base_method", None)  # IntactKV stores as its base does
-    own = method.arm_batch and type(method).decode_step is Method.decode_step
-    return own and (base is None or joins_arm_batch(base))
+    return declared(method, "arm_batch") and type(method).decode_step is Method.decode_step
 
 
 @torch.no_grad()
