@@ -149,6 +149,20 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _linked_root(tmp_path_factory, "data-root", sorted(FIXTURE_DATA.iterdir()))
 
 
+@pytest.fixture
+def local_tasks_only(monkeypatch):
+    """lm-eval's CLI indexes its ~13,000 built-in task YAMLs (20-30 s) before it reads
+    ``--include_path``; the lm-eval tests need only the tiny tasks under tests/fixtures/lmeval."""
+    import lm_eval.tasks
+
+    class LocalTaskManager(lm_eval.tasks.TaskManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "include_defaults": False})
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalTaskManager)
+    return LocalTaskManager
+
+
 @pytest.fixture(scope="session")
 def haystack_only_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data root with the NIAH haystack and nothing else: a run that needs more data (KVQuant's

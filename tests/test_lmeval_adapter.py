@@ -180,20 +180,6 @@ TINY_TASKS = Path(__file__).resolve().parent / "fixtures" / "lmeval"
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
 
-@pytest.fixture
-def local_tasks_only(monkeypatch):
-    """lm-eval's CLI indexes its ~13,000 built-in task YAMLs (20-30 s) before it reads
-    ``--include_path``; the tests need only the tiny tasks under tests/fixtures/lmeval."""
-    import lm_eval.tasks
-
-    class LocalTaskManager(lm_eval.tasks.TaskManager):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, "include_defaults": False})
-
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalTaskManager)
-    return LocalTaskManager
-
-
 @pytest.mark.parametrize(
     ("model_args", "key", "says"),
     [

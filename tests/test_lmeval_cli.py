@@ -35,20 +35,6 @@ CTX = "The capital of France is Paris. The capital of Germany is Berlin. The cap
 
 
 @pytest.fixture
-def local_tasks_only(monkeypatch):
-    """lm-eval's CLI indexes its ~13,000 built-in task YAMLs (20-30 s) before it reads
-    ``--include_path``; these tests need only the tiny tasks under tests/fixtures/lmeval."""
-    import lm_eval.tasks
-
-    class LocalTaskManager(lm_eval.tasks.TaskManager):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, "include_defaults": False})
-
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalTaskManager)
-    return LocalTaskManager
-
-
-@pytest.fixture
 def no_model_loads(monkeypatch):
     """Any model load fails the test: bad input must be refused before one."""
     import kvbench.builder
