@@ -45,11 +45,12 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("analysis",),  # stored runs into pandas, paper tables, claims, figures
     ("launchers",),  # Hydra launchers (submitit) around runs
     ("run", "api"),  # one run: load, build, execute, write; a method's cache in the user's own code
-    ("lmeval",),  # the lm-eval model: a runner's method behind lm-eval's API
+    ("lmeval",),  # the lm-eval entry: the model lm-eval builds from model_args, kvbench-lm-eval
     ("logger",),  # wandb or nothing, fed the run's spec and metrics
     ("spec", "builder"),  # the typed run object from a config; model and method builders
     ("results", "node_plan", "sweep"),  # run folders and rows; a node's jobs and cost; a sweep's folder
     ("tasks",),  # one file per task
+    ("lmeval_adapter",),  # lm-eval's model API over a runner built already (task=lmeval, the entry)
     ("generate",),  # the decode loop tasks share
     ("methods",),  # one file per method
     ("models",),  # model configs, files and loaders
@@ -70,10 +71,6 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {
     # the type of the cache's stored part (PerChannelAffineSource, CodebookSource, RoPESource, ...)
     # and reach into cache/rotated.py's _gather/_scatter: item 2, each stored part owns its reads.
     ("kernels", "cache"): "issue 45 item 2",
-    # tasks/lmeval_task.py builds the lm-eval adapter (kvbench/lmeval.py), which also builds a runner
-    # from lm-eval's model_args (builder, spec) and hashes arm ids (results): split lmeval.py into the
-    # adapter over a runner (below tasks) and the lm-eval entry that builds one (above spec).
-    ("tasks", "lmeval"): "issue 45 item 4",
 }
 
 

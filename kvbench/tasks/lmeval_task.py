@@ -3,7 +3,7 @@
 lm-eval's own task object is built once (``lm_eval.tasks.TaskManager``) and kept; for each document
 the sample run asks it, through its own API, for what its evaluator would: the few-shot context
 (``fewshot_context``), the requests (``construct_requests``), then, after the requests ran on
-:class:`kvbench.lmeval.KVBenchLM` (a fresh method cache per request), its filters (``apply_filters``)
+:class:`kvbench.lmeval_adapter.RunnerLM` (a fresh method cache per request), its filters (``apply_filters``)
 and metrics (``process_results``), and at the end its aggregations. Prompts, answer extraction and
 scores are therefore lm-eval's; only the model is kvbench's.
 
@@ -229,11 +229,11 @@ class LMEvalBase(Task):
         return contexts[doc_id]
 
     def adapter(self, runner):
-        from kvbench.lmeval import DEFAULT_MAX_GEN_TOKS, KVBenchLM
+        from kvbench.lmeval_adapter import DEFAULT_MAX_GEN_TOKS, RunnerLM
 
         if self._lm is None or self._lm.runner is not runner:
             # one call per document: the run's own bar and warnings speak for the whole task
-            self._lm = KVBenchLM(
+            self._lm = RunnerLM(
                 runner, chunk=self.config.chunk, max_gen_toks=DEFAULT_MAX_GEN_TOKS, announce=False
             )
         return self._lm
