@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench import atomic
-from kvbench.analysis.frame import load_frame
+from kvbench.analysis.frame import _cluster, _differences, _flat, load_frame
 
 ARCHIVE = "samples.csv.gz"
 MANIFEST = "archive.json"
@@ -306,12 +306,65 @@ def merge_models(new: pd.DataFrame, old: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
-def write_archives(runs_root: str | Path, results: str | Path) -> dict[str, Path]:
+def add_runs(new: pd.DataFrame, old: pd.DataFrame | None) -> pd.DataFrame:
+    """One experiment's archive frame after adding runs to it: ``old``'s rows of every run that
+    ``new`` does not hold (a run is its ``folder``: the same configuration reruns into the same
+    folder), then ``new``'s rows, for every model. For arms added to a node whose other runs are
+    stored only in the archive (a second model's column, whose runs took hours): archiving the new
+    runs alone would otherwise replace that model's rows by them (``merge_models``).
+
+    The method labels are made again over the union, as ``load_frame`` makes them over one runs
+    root: runs of one (task, model, experiment, label) whose method nodes differ get the knobs that
+    differ as a ``[knob=value,...]`` suffix, so a run that was alone under its label and now has a
+    sibling is told apart from it. Runs are taken in the order of their rows' count (largest first),
+    as a runs root holding them all would take them, up to ties."""
+    if old is None or old.empty:
+        return new
+    replaced = set(new["folder"]) if "folder" in new else set()
+    kept = old[~old["folder"].isin(replaced)] if "folder" in old else old
+    frame = pd.concat([kept, new], ignore_index=True, sort=False)
+    key = ["task", "model", "experiment"]
+    runs: dict[Any, dict[str, Any]] = {}
+    for folder, rows in frame.groupby("folder", sort=True):
+        first = rows.iloc[0]
+        label = str(first["method"])
+        flat = _flat(first["method_config"] if isinstance(first["method_config"], dict) else {}, "method")
+        # The stored label carries the suffix of the archive it came from: take the part before it.
+        stored = label.rsplit("[", 1)
+        base = stored[0] if label.endswith("]") and len(stored) == 2 else label
+        runs[folder] = {
+            "unit": tuple(str(first[k]) for k in key),
+            "base": base,
+            "method_flat": flat,
+            "n_rows": len(rows),
+            "mtime": 0,
+            "folder": folder,
+        }
+    labels: dict[Any, str] = {}
+    by_group: dict[tuple, list[dict[str, Any]]] = {}
+    for run in runs.values():
+        by_group.setdefault((*run["unit"], run["base"]), []).append(run)
+    for (*_, base), members in by_group.items():
+        clusters = _cluster(members, "method_flat")
+        for cluster, suffix in zip(clusters, _differences(clusters, "method_flat", "method."), strict=True):
+            for run in cluster:
+                labels[run["folder"]] = base + (f"[{suffix}]" if suffix else "")
+    frame["method"] = [labels.get(f, m) for f, m in zip(frame["folder"], frame["method"], strict=True)]
+    frame = frame.sort_values(_ROW_ORDER, kind="stable").reset_index(drop=True)
+    frame.attrs = {
+        "superseded": sorted(set(old.attrs.get("superseded", [])) | set(new.attrs.get("superseded", []))),
+        "duplicate_rows": {**old.attrs.get("duplicate_rows", {}), **new.attrs.get("duplicate_rows", {})},
+    }
+    return frame
+
+
+def write_archives(runs_root: str | Path, results: str | Path, add: bool = False) -> dict[str, Path]:
     """Every run under ``runs_root`` into one archive per experiment under ``results``; returns
     ``{experiment: archive path}`` (empty when there are no runs). Within an experiment the runs
     replace the archive's rows of their models only: another model's stored rows are kept
     (``merge_models``), so a clean clone that reruns the default model's nodes keeps the second
-    model's column."""
+    model's column. ``add``: the runs are added to the archive's runs instead (``add_runs``), for
+    new arms of a node whose other runs are stored only in the archive."""
     runs_root = Path(runs_root)
     frame = normalize(load_frame(runs_root), runs_root)
     if Path(results).is_dir():
@@ -323,7 +376,7 @@ def write_archives(runs_root: str | Path, results: str | Path) -> dict[str, Path
             old = read_archive(folder) if (folder / ARCHIVE).is_file() else None
         except ArchiveError:
             old = None  # a damaged archive holds nothing to keep: rewritten from the runs alone
-        written[name] = write_archive(merge_models(part, old), folder)
+        written[name] = write_archive(add_runs(part, old) if add else merge_models(part, old), folder)
     return written
 
 

@@ -283,3 +283,42 @@ def test_archiving_a_model_again_replaces_its_rows(tmp_path):
     write_archives(sub, results)
     after = read_archive(results / "synthetic_cliff")
     assert set(after["method"]) == {"fp16"} < set(before["method"])
+
+
+def test_adding_runs_to_an_archive_gives_the_archive_of_all_runs(tmp_path):
+    """New arms of a node whose other runs live only in the archive: archiving them with ``add``
+    keeps every stored run and labels the union as one runs root holding all of them would, down to
+    the bytes (here the new arm shares its label with a stored one and differs in a knob, so both
+    get a suffix they did not have); without ``add`` the new runs replace their model's rows."""
+    import json
+    import shutil
+
+    both = write_runs(tmp_path / "both")
+    for folder in sorted((both / "niah" / "tiny" / "uniform-3b").iterdir()):
+        twin = folder.with_name(folder.name + "g64")
+        shutil.copytree(folder, twin)
+        for path, group in ((folder, 32), (twin, 64)):
+            config = json.loads((path / "config.json").read_text())
+            config["method"]["group_size"] = group
+            (path / "config.json").write_text(json.dumps(config))
+    write_archives(both, tmp_path / "joint")
+    joint = (tmp_path / "joint" / "synthetic_cliff" / ARCHIVE).read_bytes()
+    assert {"uniform-3b[group_size=32]", "uniform-3b[group_size=64]"} <= set(
+        read_archive(tmp_path / "joint" / "synthetic_cliff")["method"]
+    )
+
+    stored, added = tmp_path / "stored", tmp_path / "added"
+    for folder in sorted((both / "niah" / "tiny").glob("*/*")):
+        target = added if folder.name.endswith("g64") or folder.parent.name == "uniform-2b" else stored
+        shutil.copytree(folder, target / folder.relative_to(both))
+    results = tmp_path / "results"
+    write_archives(stored, results)
+    assert "uniform-3b" in set(read_archive(results / "synthetic_cliff")["method"])
+    write_archives(added, results, add=True)
+    assert (results / "synthetic_cliff" / ARCHIVE).read_bytes() == joint
+
+    replaced = tmp_path / "replaced"
+    write_archives(stored, replaced)
+    write_archives(added, replaced)
+    methods = set(read_archive(replaced / "synthetic_cliff")["method"])
+    assert not any(m.startswith(("fp16", "uniform-4b")) for m in methods)
