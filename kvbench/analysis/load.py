@@ -22,8 +22,13 @@ sample), the columns of :func:`~kvbench.analysis.frame.load_frame` under their p
 (``run_id``, not the archive header's ``run_id:str``), and the dtypes the runs wrote (floats,
 ints, bools, text; ``method_config`` and other nested fields as dicts). Experiments that do not
 share a column leave it missing in the others' rows: integer and boolean columns become pandas'
-nullable ``Int64`` / ``boolean`` there, not floats. ``frame.attrs`` carries the runs left out
-(``superseded``) and the repeated rows dropped (``duplicate_rows``).
+nullable ``Int64`` / ``boolean`` there, not floats. The row fields a task declares whole numbers
+or flags (``Task.row_dtypes``: ``context_length``, ``depth``, ``generated_tokens`` as ``Int64``,
+``stopped`` as ``boolean``) have those nullable dtypes always, from archives and run folders alike
+(an archive stores such a column with gaps as floats or JSON, a run folder of one task as
+``int64``/``bool``: the same column would otherwise change dtype with its source).
+``frame.attrs`` carries the runs left out (``superseded``) and the repeated rows dropped
+(``duplicate_rows``).
 
 Nothing found is a warning (:class:`NoResultsWarning`, naming the folder and what was looked for)
 and an empty frame that still has the identity columns, so ``df["experiment"]`` never raises.
@@ -35,6 +40,7 @@ import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from kvbench import paths
@@ -86,12 +92,38 @@ def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
 
 
 def _empty(path: Path, looked_for: str) -> pd.DataFrame:
-    warnings.warn(f"kvbench: no results under {path}: {looked_for}", NoResultsWarning, stacklevel=3)
+    warnings.warn(f"kvbench: no results under {path}: {looked_for}", NoResultsWarning, stacklevel=4)
     frame = pd.DataFrame(
         {c: pd.Series(dtype="float64" if c == "bits" else "object") for c in IDENTITY_COLUMNS}
     )
     frame.attrs = {"superseded": [], "duplicate_rows": {}}
     return frame
+
+
+def _whole(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and float(value).is_integer()
+
+
+def _declared_dtypes(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with each column a task declares (:func:`kvbench.tasks.declared_row_dtypes`) in
+    its declared nullable dtype, missing values as ``<NA>``. A column whose values do not fit (a
+    fraction in a whole-number column, text in a flag column) is left as it is."""
+    from kvbench.tasks import declared_row_dtypes
+
+    fits = {"Int64": _whole, "boolean": lambda v: isinstance(v, (bool, np.bool_))}
+    for column, dtype in declared_row_dtypes().items():
+        if column not in frame.columns or str(frame[column].dtype) == dtype or dtype not in fits:
+            continue
+        values = [None if _missing(v) else v for v in frame[column]]
+        if not all(v is None or fits[dtype](v) for v in values):
+            continue
+        cast = [v if v is None else (int(v) if dtype == "Int64" else bool(v)) for v in values]
+        frame[column] = pd.array(cast, dtype=dtype)
+    return frame
+
+
+def _missing(value) -> bool:
+    return value is None or value is pd.NA or (isinstance(value, (float, np.floating)) and np.isnan(value))
 
 
 def load_results(
@@ -102,6 +134,12 @@ def load_results(
     module docstring). ``experiment``: one experiment name or several, to read only those.
     FileNotFoundError when ``path`` does not exist; a :class:`NoResultsWarning` and an empty frame
     when it holds nothing (or nothing of the experiments named)."""
+    frame = _load(path, experiment)
+    return _declared_dtypes(frame) if not frame.empty else frame
+
+
+def _load(path: str | Path | None, experiment: str | Iterable[str] | None) -> pd.DataFrame:
+    """:func:`load_results` before the declared dtypes: each source's own dtypes."""
     path = Path(path) if path is not None else paths.default_results()
     if not path.exists():
         raise FileNotFoundError(
@@ -116,7 +154,7 @@ def load_results(
             message = f"no archive of {', '.join(missing)} (archived experiments: {', '.join(known)})"
             if len(missing) == len(wanted or ()):
                 return _empty(path, message)
-            warnings.warn(f"kvbench: under {path}: {message}", NoResultsWarning, stacklevel=2)
+            warnings.warn(f"kvbench: under {path}: {message}", NoResultsWarning, stacklevel=3)
         parts = [part for part in (read_archive(f) for f in folders) if not part.empty]
         if not parts:
             return _empty(path, f"the archives there hold no rows ({', '.join(f.name for f in folders)})")
@@ -145,5 +183,5 @@ def load_experiments(path: str | Path | None = None) -> dict[str, pd.DataFrame]:
         folders = _archive_folders(path, None)
         if folders:
             return {f.name: read_archive(f) for f in folders}
-    frame = load_results(path)
+    frame = _load(path, None)  # split parts keep the dtypes the archives store
     return split(normalize(frame, path)) if not frame.empty else {}

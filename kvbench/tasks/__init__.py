@@ -11,6 +11,7 @@ from kvbench.tasks.base import (
     Work,
     build_task,
     declared_metric,
+    declared_row_dtypes,
     register_task,
 )
 
@@ -26,5 +27,6 @@ __all__ = [
     "Work",
     "build_task",
     "declared_metric",
+    "declared_row_dtypes",
     "register_task",
 ]

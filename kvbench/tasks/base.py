@@ -70,6 +70,10 @@ class Task:
     # The report's figures of this task beyond the cliff map and memory against quality: name ->
     # ``"module:function"``, a function of the task's sample frame returning a Figure or a list.
     figures: ClassVar[dict[str, str]] = {}
+    # The pandas dtype of row fields that are whole numbers or flags (``"Int64"``, ``"boolean"``):
+    # what :func:`kvbench.analysis.load_results` gives them, from run folders and archives alike (a
+    # whole-number column with gaps is stored in an archive as floats, a flag column as JSON).
+    row_dtypes: ClassVar[dict[str, str]] = {}
     registered_name: ClassVar[str]
 
     @classmethod
@@ -185,6 +189,23 @@ def declared_metric(metric: str, task: str | None = None) -> Metric | None:
         if found is not None:
             return found
     return None
+
+
+# The row fields of every task that decodes (kvbench.generate's Generation): tokens decoded, and
+# whether a stop string or EOS ended the decode before max_new_tokens.
+GENERATION_ROW_DTYPES = {"generated_tokens": "Int64", "stopped": "boolean"}
+
+
+def declared_row_dtypes() -> dict[str, str]:
+    """``{column: dtype}`` over every registered task's :attr:`Task.row_dtypes`; a column two tasks
+    declare differently is left out (neither dtype is then safe for a frame holding both)."""
+    out: dict[str, str] = {}
+    clash: set[str] = set()
+    for name in TASKS.names():
+        for column, dtype in TASKS.get(name).row_dtypes.items():
+            if out.setdefault(column, dtype) != dtype:
+                clash.add(column)
+    return {c: d for c, d in out.items() if c not in clash}
 
 
 def build_task(node: dict[str, Any], data_root: Path, seed: int) -> Task:

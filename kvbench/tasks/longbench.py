@@ -75,7 +75,7 @@ import torch
 from kvbench.config import check_choice, inert, require
 from kvbench.data import parse_json_lines, read_json, read_json_lines, require_file
 from kvbench.errors import ConfigError
-from kvbench.tasks.base import Metric, Task, TaskConfig, Work, register_task
+from kvbench.tasks.base import GENERATION_ROW_DTYPES, Metric, Task, TaskConfig, Work, register_task
 from kvbench.tasks.longbench_metrics import CODE_SIM_BACKENDS, score_sample
 from kvbench.tasks.niah import CHAT_TEMPLATE_MODES, prompt_format
 
@@ -311,6 +311,7 @@ class LongBench(Task):
     Config = LongBenchConfig
     primary_metric = "score"
     metrics = {"score": Metric(True, "LongBench's per-task metric, in [0, 1] per sample")}
+    row_dtypes = GENERATION_ROW_DTYPES
 
     @classmethod
     def sample_work(cls, config: LongBenchConfig) -> Work:

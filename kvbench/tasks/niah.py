@@ -46,7 +46,16 @@ import torch
 from kvbench.config import check_choice, inert, require
 from kvbench.data import missing_file, read_text
 from kvbench.errors import ConfigError
-from kvbench.tasks.base import Metric, Task, TaskConfig, Work, check_batch_size, limited, register_task
+from kvbench.tasks.base import (
+    GENERATION_ROW_DTYPES,
+    Metric,
+    Task,
+    TaskConfig,
+    Work,
+    check_batch_size,
+    limited,
+    register_task,
+)
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -249,6 +258,7 @@ class NIAH(Task):
     primary_metric = "score"
     metrics = {"score": Metric(True, "fraction of the needle's key phrases recalled")}
     figures = {"niah_heatmap": "kvbench.analysis.niah:niah_heatmap"}
+    row_dtypes = {**GENERATION_ROW_DTYPES, "context_length": "Int64", "depth": "Int64"}
 
     @classmethod
     def planned_samples(cls, config: NIAHConfig) -> int:

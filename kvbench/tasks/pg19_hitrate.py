@@ -405,6 +405,7 @@ class PG19HitRate(Task):
         "hit_rates": Metric(True, "hit rate per policy and sparsity"),
     }
     figures = {"hitrate_curves": "kvbench.analysis.hitrate:plot_hitrate"}
+    row_dtypes = {"context_length": "Int64"}
 
     @classmethod
     def planned_samples(cls, config: HitRateConfig) -> int:
