@@ -119,12 +119,15 @@ def test_arms_inherit_their_method_node_and_override_knobs():
 
 def test_attention_probe_arms_fix_their_bits_and_are_distinct_runs():
     """Every arm of the probe fixes its own bits (no top-level bits sweep), so each arm is one
-    configuration: one label, one run id, one run folder; the claim's arms select ott-2b and kivi-2b."""
+    configuration: one run id, one run folder, and one label except OTT's layout ablations (G, R,
+    skip_layers), which OTT's label does not show: they share ott-2b, the frame tells them apart by
+    their differing knobs, and the claims select them by config."""
     key = "+experiment/arms/attention_probe@method"
     params = sweep_params("attention_probe")
     # every arm file, swept or not (a larger run adds the others to the sweep), is checked
     arms = sorted(p.stem for p in (Path(CONF_DIR) / "experiment" / "arms" / "attention_probe").glob("*.yaml"))
-    assert set(params) == {"seed", key} and set(params[key]) <= set(arms) and len(arms) == 35
+    assert set(params) == {"seed", key} and set(params[key]) <= set(arms) and len(arms) == 39
+    assert len(params[key]) == 32
     labels, ids = {}, set()
     for arm in arms:
         cfg = compose_point("attention_probe", {"seed": "0", key: arm})
@@ -133,7 +136,9 @@ def test_attention_probe_arms_fix_their_bits_and_are_distinct_runs():
         assert (method.config.bits is None) == (arm == "fp16")
         labels[arm] = method.label()
         ids.add(run_id(run_config(cfg)))
-    assert len(set(labels.values())) == len(ids) == 35
+    layout = {"ott2", "ott2_r128", "ott2_g32", "ott2_g32_r128", "ott2_skip0"}
+    assert {labels[a] for a in layout} == {"ott-2b"}
+    assert len(ids) == 39 and len({labels[a] for a in arms if a not in layout}) == 34
     assert labels["ott2"] == "ott-2b" and labels["kivi2"] == "kivi-2b"
     assert labels["kivi1_specache_zp"] == "kivi-1b-specache0"
     assert labels["readkv8_read2"] == "readkv-2of8b" and labels["semkv2.39"].startswith("semkv-2.39b")

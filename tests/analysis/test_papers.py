@@ -70,7 +70,7 @@ def _write_run(root, experiment, task, label, method, bits, seed, rows, metric):
 
 # --- KVQuant: 8 arms x 3 bit widths, 4 perplexity windows ------------------------------------------
 
-KVQ_FULL = {"pre_rope": True, "datatype": "nuq", "outlier_fraction": 0.01, "sink": True}
+KVQ_FULL = {"pre_rope": True, "datatype": "nuq", "outlier_fraction": 0.01, "sink": True, "calibrate": True}
 KVQ_ARMS = {  # row key -> (method node without bits, base perplexity)
     "int_channel": ({"name": "uniform", "key_axis": "channel", "value_axis": "token", "group_size": 32}, 9.0),
     "full": ({"name": "kvquant", **KVQ_FULL}, 6.0),
@@ -247,7 +247,9 @@ def test_attention_probe_renders_when_its_frame_exists(frames, tmp_path):
     layout = _layout("ott", "attention_probe")
     assert run_line_of("attention_probe") in papers.render(layout, frames, MODEL)
     errs = {"fp16": 1e-4, "kivi-2b": 0.30, "ott-2b": 0.12}
-    nodes = {"fp16": None, "kivi-2b": {"name": "kivi", "bits": 2}, "ott-2b": {"name": "ott", "bits": 2}}
+    # the OTT row selects the default layout by config (the probe also runs OTT at other G, R, skip_layers)
+    ott = {"name": "ott", "bits": 2, "group_size": 128, "residual": 32, "pool_size": 3, "skip_layers": 2}
+    nodes = {"fp16": None, "kivi-2b": {"name": "kivi", "bits": 2}, "ott-2b": {**ott, "selection": "smallest"}}
     for label, err in errs.items():
         bits = None if label == "fp16" else 2
         rows = [(f"w{i}", {"rel_err": err * (1 + 0.1 * i)}) for i in range(4)]
