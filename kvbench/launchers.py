@@ -27,13 +27,14 @@ submission, and change what happens around a point:
   points it had not finished; on a timeout it requeues the points it has not finished, which skip
   every sample already done. ``timeout_min`` and ``array_parallelism`` count jobs, not points.
 
-:func:`register` puts them under the plugin's own names (``hydra/launcher=submitit_local`` and
-``submitit_slurm``; ``kvbench/conf/hydra/launcher/slurm*.yaml`` build on the latter).
+:func:`register` stores them under names of their own, ``hydra/launcher=kvbench_local`` and
+``kvbench_slurm`` (``kvbench/conf/hydra/launcher/slurm*.yaml`` build on the latter). The plugin's
+names, ``submitit_local`` and ``submitit_slurm``, stay the plugin's: a researcher who types them gets
+the stock launchers, with the stock behaviour (and without ``points_per_job``).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -49,9 +50,10 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
 
+from kvbench.env import get_logger
 from kvbench.errors import ConfigError
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # Slurm states in which a job may still write its result (a requeued or preempted job runs again).
 SLURM_ACTIVE = {
@@ -197,7 +199,7 @@ class PointGroup:
                 cloudpickle.dump(ret, out)
             os.replace(tmp, path)  # whole or not at all: the submitting side polls for it
         except Exception as err:  # the job's own result still carries it
-            print(f"kvbench: point #{num}: its result could not be saved early ({err})", file=sys.stderr)
+            log.warning(f"point #{num}: its result could not be saved early ({err})")
 
     def checkpoint(self, points: list[tuple]) -> Any:
         """On a timeout or preemption: requeue the points not finished (finished samples are skipped)."""
@@ -566,24 +568,28 @@ class _SlurmConf(SlurmQueueConf):
     points_per_job: Any = 1
 
 
-def register() -> None:
-    """Store kvbench's launchers as ``hydra/launcher/submitit_local`` and ``submitit_slurm``.
+LAUNCHER_NAMES = {"kvbench_local": _LocalConf, "kvbench_slurm": _SlurmConf}
 
-    Hydra's plugin scan executes the plugin's config module again and stores the plugin's own nodes
-    under those names, so the scan is run first and the entries are replaced after it.
+
+def register() -> None:
+    """Store kvbench's launchers as ``hydra/launcher/kvbench_local`` and ``kvbench_slurm``.
+
+    Their names are not the plugin's (``submitit_local``, ``submitit_slurm``), so Hydra's plugin
+    scan, which stores the plugin's nodes again whenever it runs, neither undoes these entries nor
+    is shadowed by them. Storing twice is harmless; ``hydra_plugins/kvbench_launcher`` also calls
+    this when Hydra's scan imports it, so the names compose in any Hydra app of this environment.
     """
     import importlib.util
 
     from hydra.core.config_store import ConfigStore
-    from hydra.core.plugins import Plugins
 
     if importlib.util.find_spec(PLUGIN_MODULE) is None:
-        # An install made before the plugin package existed: keep the plugin's own launchers.
+        # An install made before the plugin package existed: the launcher classes cannot be found.
         log.warning(
-            f"{PLUGIN_MODULE} is not installed (pip install -e . again); submitit sweeps report as before"
+            f"{PLUGIN_MODULE} is not installed (pip install -e . again); "
+            f"hydra/launcher={'/'.join(LAUNCHER_NAMES)} are not available"
         )
         return
-    Plugins.instance()
     store = ConfigStore.instance()
-    store.store(group="hydra/launcher", name="submitit_local", node=_LocalConf(), provider="kvbench")
-    store.store(group="hydra/launcher", name="submitit_slurm", node=_SlurmConf(), provider="kvbench")
+    for name, node in LAUNCHER_NAMES.items():
+        store.store(group="hydra/launcher", name=name, node=node(), provider="kvbench")

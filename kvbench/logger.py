@@ -11,7 +11,8 @@ figures and tables. It must never cost a run: results are written to the run fol
   land under ``logger.dir`` (or ``WANDB_DIR``) and can be uploaded later with ``wandb sync``;
 - ``wandb.init`` gets ``logger.init_timeout`` seconds; an online start that fails is retried once
   offline, and a failure there disables the logger;
-- every other call is guarded: a wandb exception prints one warning and the run continues.
+- every other call is guarded: a wandb exception logs one warning (the ``kvbench.logger`` logger)
+  and the run continues.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import math
 import netrc
 import os
 import socket
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from kvbench.config import LoggerConfig, build_config
+from kvbench.env import get_logger
 
 if TYPE_CHECKING:
     from kvbench.spec import RunSpec
@@ -35,8 +36,11 @@ if TYPE_CHECKING:
 DEFAULT_SERVER = "https://api.wandb.ai"
 
 
+log = get_logger(__name__)
+
+
 def _warn(message: str) -> None:
-    print(f"kvbench: warning: {message}", file=sys.stderr)
+    log.warning(message)
 
 
 def flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, float | int]:
@@ -169,7 +173,7 @@ class WandbLogger:
             return
         mode, reason = resolve_mode(self.cfg)
         if mode == "offline" and self.cfg.mode == "auto" and "WANDB_MODE" not in os.environ:
-            print(f"kvbench: wandb offline: {reason}", file=sys.stderr)
+            log.info(f"wandb offline: {reason}")
         try:
             self.run = self._init(wandb, mode, config, name, job_type, **run)
             self.mode = mode

@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,9 @@ from filelock import FileLock, Timeout
 
 from kvbench import atomic
 from kvbench.config import inert_defaults, require, run_id_excluded
+from kvbench.env import get_logger
+
+log = get_logger(__name__)
 
 # Keys that say where things are, not what is computed: left out of the run id.
 PATH_KEYS = {"output", "data", "hydra", "logger"}
@@ -196,7 +198,7 @@ class RunFolder:
         try:
             lock.acquire(timeout=0)
         except Timeout:
-            print(f"kvbench: {self.path} is in use by another process; waiting for it", file=sys.stderr)
+            log.info(f"{self.path} is in use by another process; waiting for it")
             lock.acquire()
         try:
             self.remove_orphans()
@@ -304,10 +306,8 @@ class RunFolder:
             for n, raw in zip(self._lines, kept, strict=True)
         ]
         self._set_aside(sorted(lines + rejected, key=lambda r: r["line"]), b"", quiet=True)
-        print(
-            f"kvbench: warning: {self.samples_path}: {len(lines)} earlier row(s) moved to "
-            f"{self.rejected_path.name} ({reason})",
-            file=sys.stderr,
+        log.warning(
+            f"{self.samples_path}: {len(lines)} earlier row(s) moved to {self.rejected_path.name} ({reason})"
         )
         return len(lines)
 
@@ -340,11 +340,10 @@ class RunFolder:
             return
         where = "; ".join(f"line {r['line']}: {r['reason']}" for r in rejected[:3])
         more = f"; and {len(rejected) - 3} more" if len(rejected) > 3 else ""
-        print(
-            f"kvbench: warning: {self.samples_path}: {_counted(rejected)} moved to "
+        log.warning(
+            f"{self.samples_path}: {_counted(rejected)} moved to "
             f"{self.rejected_path.name}, their samples run again unless another row holds them "
-            f"({where}{more})",
-            file=sys.stderr,
+            f"({where}{more})"
         )
 
     def append(self, row: dict[str, Any]) -> None:

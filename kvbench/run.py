@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from kvbench import paths
 from kvbench.cache.static import decode_steps_seen
+from kvbench.env import get_logger
 from kvbench.errors import ConfigError, Interrupted, Terminated
 from kvbench.kernels.cpu import backend_in_use
 from kvbench.methods import Method
@@ -55,6 +56,8 @@ from kvbench.spec import (  # noqa: F401
     run_folder,
 )
 from kvbench.version import __version__
+
+log = get_logger(__name__)
 
 
 def _git(*args: str) -> str | None:
@@ -218,7 +221,8 @@ def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
 
 
 def warn(message: str) -> None:
-    print(f"kvbench: warning: {message}", file=sys.stderr)
+    """One warning about this run, through the ``kvbench.run`` logger."""
+    log.warning(message)
 
 
 def memory_warnings(memory: dict[str, Any], label: str) -> dict[str, str]:

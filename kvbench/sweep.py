@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from kvbench import atomic
+from kvbench.env import get_logger
 from kvbench.results import format_table
+
+log = get_logger(__name__)
 
 RECORD = "kvbench-run.json"  # in each point's subfolder
 INDEX = "sweep.json"  # in the sweep's folder, written at its end
@@ -64,7 +66,7 @@ def read_records(sweep: str | Path) -> list[dict[str, Any]]:
             record = json.loads(path.read_text())
             record["folder"] = (path.parent / record["folder"]).resolve()
         except (OSError, ValueError, KeyError, TypeError) as err:
-            print(f"kvbench: warning: {path}: unreadable sweep record ({err}); skipped", file=sys.stderr)
+            log.warning(f"{path}: unreadable sweep record ({err}); skipped")
             continue
         record["job"] = path.parent.name
         out.append(record)

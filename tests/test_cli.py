@@ -109,12 +109,12 @@ def test_multirun_sweep_writes_one_folder_per_point(tmp_path):
     assert "fp16" in set(load_results(tmp_path)["method"])
 
 
-def test_submitit_local_sweep_reports_every_point_on_the_terminal(tmp_path, haystack_only_root):
+def test_kvbench_local_sweep_reports_every_point_on_the_terminal(tmp_path, haystack_only_root):
     # A failure only the run meets (KVQuant's calibration text is read after the model loads; a bad
     # config value would be refused before any point starts): the data root holds the haystack only.
     proc = run_cli(
         "-m",
-        "hydra/launcher=submitit_local",
+        "hydra/launcher=kvbench_local",
         "+method=uniform,kvquant",
         "bits=2",
         f"data.root={haystack_only_root}",

@@ -67,12 +67,33 @@ def test_profiles_fall_back_where_the_model_names_no_resources():
     assert (node.gpus_per_node, node.cpus_per_task, node.mem_gb) == (0, 2, 8)
 
 
-def test_submitit_local_is_kvbench_launcher_and_overrides_still_apply():
-    node = launcher_node("hydra/launcher=submitit_local", "hydra.launcher.timeout_min=7")
+def test_kvbench_local_is_kvbench_launcher_and_overrides_still_apply():
+    node = launcher_node("hydra/launcher=kvbench_local", "hydra.launcher.timeout_min=7")
     assert node._target_ == "hydra_plugins.kvbench_launcher.KvbenchLocalLauncher"
     assert node.timeout_min == 7
     node = launcher_node("hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.mem_gb=128")
     assert (node.partition, node.mem_gb) == ("gpu", 128)
+
+
+@pytest.mark.parametrize(
+    "name, cls",
+    [("submitit_local", "LocalLauncher"), ("submitit_slurm", "SlurmLauncher")],
+)
+def test_stock_launcher_names_reach_the_stock_plugin(name, cls):
+    # kvbench's launchers have names of their own; the plugin's names are not shadowed, even after
+    # register() (which the CLI calls before composing) and Hydra's plugin scan have both run.
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.hydra_submitit_launcher import submitit_launcher
+
+    Plugins.instance()
+    register()
+    node = launcher_node(f"hydra/launcher={name}")
+    assert node._target_ == f"hydra_plugins.hydra_submitit_launcher.submitit_launcher.{cls}"
+    assert hasattr(submitit_launcher, cls) and "points_per_job" not in node
+    stored = ConfigStore.instance().repo["hydra"]["launcher"]
+    assert stored[f"{name}.yaml"].provider == "submitit_launcher"
+    assert stored[f"kvbench_{name.removeprefix('submitit_')}.yaml"].provider == "kvbench"
 
 
 def test_resources_are_not_part_of_the_run_id():
@@ -243,7 +264,7 @@ def test_the_knob_is_in_every_launcher_node_and_defaults_to_a_job_per_point():
         == "auto"
     )
     assert (
-        launcher_node("hydra/launcher=submitit_local", "hydra.launcher.points_per_job=4").points_per_job == 4
+        launcher_node("hydra/launcher=kvbench_local", "hydra.launcher.points_per_job=4").points_per_job == 4
     )
     # kvbench's knob, not submitit's: the executor never sees it
     assert "points_per_job" not in LocalSweepLauncher(points_per_job=2, timeout_min=5).params
@@ -494,14 +515,14 @@ if __name__ == "__main__":
 """
 
 
-def test_submitit_local_runs_a_group_in_one_process(tmp_path):
+def test_kvbench_local_runs_a_group_in_one_process(tmp_path):
     """The real submitit: 3 points, 2 per job; the first point fails, the second still runs in
     the same process; every point has its row, the failure its one line."""
     import subprocess
 
     (tmp_path / "app.py").write_text(APP)
     sweep = tmp_path / "sweep"
-    argv = ["-m", "+x=1,2,3", "hydra/launcher=submitit_local", "hydra.launcher.points_per_job=2"]
+    argv = ["-m", "+x=1,2,3", "hydra/launcher=kvbench_local", "hydra.launcher.points_per_job=2"]
     done = subprocess.run(
         [sys.executable, "app.py", *argv, f"hydra.sweep.dir={sweep}"],
         cwd=tmp_path,
@@ -538,7 +559,7 @@ def test_points_share_a_job_when_their_composed_model_and_task_agree():
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path(CONF_DIR))
     launcher = LocalSweepLauncher()
     launcher.config = loader.load_configuration(
-        "config", overrides=["hydra/launcher=submitit_local"], run_mode=RunMode.MULTIRUN
+        "config", overrides=["hydra/launcher=kvbench_local"], run_mode=RunMode.MULTIRUN
     )
     launcher.hydra_context = SimpleNamespace(config_loader=loader)
     sweep = [
