@@ -17,6 +17,7 @@ figures and tables. It must never cost a run: results are written to the run fol
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import netrc
@@ -41,6 +42,62 @@ log = get_logger(__name__)
 
 def _warn(message: str) -> None:
     log.warning(message)
+
+
+# -- panel keys ------------------------------------------------------------------------------------
+# wandb names a panel by its key and groups panels into sections by the key's first segment; a long
+# key is cut in the panel's title and makes a section name nobody reads. Keys are kept to
+# PANEL_KEY_MAX characters: known long segments get short names, a report's units are named by the
+# fewest of experiment, task and model that tell them apart, and anything still too long is cut,
+# with a short hash of the whole key so that two cut keys never meet.
+
+PANEL_KEY_MAX = 48
+SHORT_SEGMENTS = {"last_sample_bytes_by_component": "bytes_by_component"}
+
+
+def short_key(key: str, limit: int = PANEL_KEY_MAX) -> str:
+    """``key`` with its long segments renamed and, past ``limit`` characters, cut to ``limit`` with
+    ``~`` and six hex digits of the full key's hash at the end."""
+    out = "/".join(SHORT_SEGMENTS.get(part, part) for part in key.split("/"))
+    if len(out) <= limit:
+        return out
+    digest = hashlib.sha1(key.encode()).hexdigest()[:6]
+    return f"{out[: limit - len(digest) - 1]}~{digest}"
+
+
+def short_keys(values: Mapping[str, Any], limit: int = PANEL_KEY_MAX) -> dict[str, Any]:
+    """``values`` under :func:`short_key` names; a name two keys would share keeps the hashed form
+    for each of them, so no value is lost."""
+    names = {key: short_key(key, limit) for key in values}
+    taken: dict[str, int] = {}
+    for name in names.values():
+        taken[name] = taken.get(name, 0) + 1
+    out = {}
+    for key, value in values.items():
+        name = names[key]
+        if taken[name] > 1:
+            digest = hashlib.sha1(key.encode()).hexdigest()[:6]
+            name = f"{name[: limit - len(digest) - 1]}~{digest}"
+        out[name] = value
+    return out
+
+
+def unit_labels(keys: list[tuple[Any, ...]]) -> dict[tuple[Any, ...], str]:
+    """A short section name for each report unit ``(task, model, experiment)``: its experiment
+    (else its task), with the task and then the model added only where that alone would name two
+    units the same; joined by ``_``."""
+
+    def label(key: tuple[Any, ...], fields: tuple[str, ...]) -> str:
+        task, model, experiment = (list(key) + [None, None, None])[:3]
+        parts = {"first": experiment or task, "task": task, "model": model}
+        values = [str(parts[f]) for f in fields if parts[f]]
+        return "_".join(dict.fromkeys(values))  # the task once where it is also the first part
+
+    for fields in (("first",), ("first", "task"), ("first", "model"), ("first", "task", "model")):
+        labels = {key: label(key, fields) for key in keys}
+        if len(set(labels.values())) == len(labels):
+            return labels
+    return {key: "_".join(str(p) for p in key if p) for key in keys}
 
 
 def flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, float | int]:
@@ -200,7 +257,7 @@ class WandbLogger:
     def log_run(self, metrics: dict[str, Any]) -> None:
         """A run's ``metrics.json`` content: numeric leaves logged once and set as the summary; and
         its samples (the run folder's ``samples.jsonl``) as one table, ``samples``."""
-        flat = flatten({k: metrics.get(k) or {} for k in ("metrics", "memory", "timings")})
+        flat = short_keys(flatten({k: metrics.get(k) or {} for k in ("metrics", "memory", "timings")}))
 
         def _log():
             table = sample_table(metrics.get("folder"))
@@ -211,20 +268,23 @@ class WandbLogger:
 
     def log_report(self, report: dict[str, Any]) -> None:
         """A report (``kvbench.report.build_report``'s result): each unit's figures as images and
-        its tables as wandb tables, under ``<task>_<model>[_<experiment>]/``."""
+        its tables as wandb tables, under one section per unit named by :func:`unit_labels` (the
+        experiment, with task or model only where needed); keys as :func:`short_keys` makes them."""
         import wandb
 
         def _log():
             payload = {}
-            for unit in report["units"]:
-                prefix = unit["folder"].name
+            units = report["units"]
+            labels = unit_labels([tuple(unit["key"]) for unit in units])
+            for unit in units:
+                prefix = labels[tuple(unit["key"])]
                 for path in unit["figures"]:
                     payload[f"{prefix}/{Path(path).stem}"] = wandb.Image(str(path))
                 for key in ("means", "paired", "cliff"):
                     table = unit[key]
                     if not table.empty:
                         payload[f"{prefix}/{key}"] = wandb.Table(dataframe=table.astype(str))
-            self.run.log(payload)
+            self.run.log(short_keys(payload))
 
         self._guard("report log", _log)
 

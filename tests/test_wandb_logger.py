@@ -106,7 +106,7 @@ def test_offline_mode_writes_run_with_metrics(wandb_env, monkeypatch, stored):
     assert stored["summary"]["memory/effective_bits"] == pytest.approx(4.029)
     assert stored["summary"]["primary_metric"] == "score"
     assert stored["history"][0]["timings/run_s"] == pytest.approx(138.6)
-    assert stored["history"][0]["memory/last_sample_bytes_by_component/codes"] == 8
+    assert stored["history"][0]["memory/bytes_by_component/codes"] == 8  # a shorter panel key
     assert stored["config"]["method"] == {"name": "kivi", "bits": 2}
     assert "logger" not in stored["config"]
     assert probes == []  # WANDB_MODE=offline: the server is never probed
@@ -230,10 +230,11 @@ def test_report_figures_logged_offline(wandb_env, monkeypatch, stored):
     kvlog.log_report(result)
     [_] = _offline_runs(root)
     summary = stored["summary"]
-    unit = "niah_tiny_synthetic_cliff"
+    unit = "synthetic_cliff"  # the one unit's section: its experiment (folder niah_tiny_synthetic_cliff)
     assert summary[f"{unit}/cliff_map/_type"] == "image-file"
     assert summary[f"{unit}/memory_quality/_type"] == "image-file"
-    assert summary[f"{unit}/cliff_map/size"] == (root / "out" / unit / "cliff_map.png").stat().st_size
+    png = root / "out" / "niah_tiny_synthetic_cliff" / "cliff_map.png"
+    assert summary[f"{unit}/cliff_map/size"] == png.stat().st_size
     assert summary[f"{unit}/paired/_type"] == "table-file"
     assert summary[f"{unit}/paired/nrows"] == 3  # uniform at 4, 3 and 2 bits against fp16
 
@@ -322,3 +323,110 @@ def test_a_runs_samples_are_one_table(wandb_env, monkeypatch, stored, tmp_path):
     # a run folder without rows (or none named) logs no table
     kvlog.log_run(CONFIG, {**METRICS, "folder": str(tmp_path / "missing")})
     assert "samples" not in stored["history"][-1]
+
+
+# -- panel keys: short, readable and distinct ---------------------------------------------------------
+
+
+class _KeyRun:
+    """A stand-in for a wandb run: records the keys it is given (no wandb process, no network)."""
+
+    def __init__(self):
+        self.keys: list[str] = []
+        self.summary = self
+
+    def log(self, payload):
+        self.keys += list(payload)
+
+    def update(self, payload):
+        self.keys += [k for k in payload if k not in self.keys]
+
+
+LONG_METRICS = {
+    **METRICS,
+    "metrics": {
+        "score": 0.5,
+        "by_task": {
+            **{
+                f"passage_retrieval_zh_and_some_more_{i}": {"score_at_context_length_8192": i}
+                for i in range(3)
+            },
+            "passage_retrieval_zh_and_some_more": {"score_at_context_length_8192_tokens_x": 1.0},
+        },
+    },
+    "memory": {"last_sample_bytes_by_component": {"residual": 1, "codes": 2, "scales": 3}},
+}
+
+
+def test_run_panel_keys_are_short_and_distinct():
+    logger = kvlog.WandbLogger(LoggerConfig(name="wandb"))
+    logger.run = run = _KeyRun()
+    logger.log_run(LONG_METRICS)
+    logged = [k for k in run.keys if k != "primary_metric"]
+    flat = kvlog.flatten({k: LONG_METRICS[k] for k in ("metrics", "memory", "timings")})
+    assert len(logged) == len(set(logged)) == len(flat)  # every value under a key of its own
+    assert max(map(len, logged)) <= kvlog.PANEL_KEY_MAX
+    assert "memory/bytes_by_component/residual" in logged and "metrics/score" in logged
+    # a cut key ends in a hash of the full key, so two keys that agree up to the cut stay apart
+    cut = [k for k in logged if "~" in k]
+    assert cut and len(cut) == len(set(cut)) == 4
+
+
+def _unit(task, model, experiment, tmp_path):
+    import pandas as pd
+
+    png = tmp_path / f"{task}_{model}_{experiment}_memory_quality_against_the_declared_reference.png"
+    png.write_bytes(b"")
+    table = pd.DataFrame({"a": [1]})
+    return {
+        "key": (task, model, experiment),
+        "folder": tmp_path,
+        "figures": [png],
+        "means": table,
+        "paired": table,
+        "cliff": table.iloc[:0],
+    }
+
+
+def test_report_panel_keys_are_short_and_distinct(tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setattr(wandb, "Image", lambda path: ("image", path))
+    monkeypatch.setattr(wandb, "Table", lambda dataframe: ("table", len(dataframe)))
+    units = [
+        _unit("perplexity", "qwen2.5-coder-1.5b-instruct", "semkv_turboquant_interpolation", tmp_path),
+        _unit("niah", "qwen2.5-coder-1.5b-instruct", "semkv_turboquant_interpolation", tmp_path),
+        _unit("perplexity", "smollm2-135m", "semkv_turboquant_interpolation", tmp_path),
+        _unit("longbench", "llama3.1-8b-instruct", None, tmp_path),
+    ]
+    logger = kvlog.WandbLogger(LoggerConfig(name="wandb"))
+    logger.run = run = _KeyRun()
+    logger.log_report({"units": units})
+    assert len(run.keys) == len(set(run.keys)) == 4 * 3  # a figure and two non-empty tables each
+    assert max(map(len, run.keys)) <= kvlog.PANEL_KEY_MAX
+    # sections: the fewest names that tell the units apart, readable
+    sections = sorted({k.split("/")[0] for k in run.keys})
+    assert "longbench_llama3.1-8b-instruct" in sections
+    assert "longbench_llama3.1-8b-instruct/means" in run.keys
+
+
+def test_unit_labels_add_task_or_model_only_when_needed():
+    one = ("niah", "smollm2-135m", "specache_niah")
+    assert kvlog.unit_labels([one]) == {one: "specache_niah"}
+    two_tasks = [one, ("perplexity", "smollm2-135m", "specache_niah")]
+    assert sorted(kvlog.unit_labels(two_tasks).values()) == ["specache_niah_niah", "specache_niah_perplexity"]
+    two_models = [one, ("niah", "llama3-8b-instruct", "specache_niah")]
+    assert sorted(kvlog.unit_labels(two_models).values()) == [
+        "specache_niah_llama3-8b-instruct",
+        "specache_niah_smollm2-135m",
+    ]
+    adhoc = [("niah", "smollm2-135m", None), ("niah", "llama3-8b-instruct", None)]
+    assert sorted(kvlog.unit_labels(adhoc).values()) == ["niah_llama3-8b-instruct", "niah_smollm2-135m"]
+
+
+def test_short_key_keeps_short_keys_and_cuts_long_ones():
+    assert kvlog.short_key("metrics/score") == "metrics/score"
+    long = "x" * 100
+    cut = kvlog.short_key(long)
+    assert len(cut) == kvlog.PANEL_KEY_MAX and cut.startswith("x" * 20) and "~" in cut
+    assert kvlog.short_key(long + "y") != cut
