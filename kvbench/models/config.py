@@ -11,6 +11,8 @@ import torch
 from kvbench import paths
 from kvbench.config import inert, model_name_from, not_in_run_id
 from kvbench.errors import ConfigError
+from kvbench.models.weight_quant import KEYS as WEIGHT_QUANT_KEYS
+from kvbench.models.weight_quant import check_weight_quant, weight_quant_tag
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -47,6 +49,18 @@ class ModelConfig:
     layers, hidden_size, kv_heads, head_dim) is the node's model geometry, read by the cost
     estimate of ``python -m kvbench.reproduce --dry-run`` before any weights are at hand; it is
     not part of the run id either (what runs is read from the weights).
+
+    ``weight_quant`` (null by default: the weights as loaded) is ``{bits: B, group_size: G}``: after
+    loading, every linear layer of the transformer blocks gets its weight replaced by its RTN
+    (round-to-nearest, asymmetric min-max) fake-quantized value over groups of ``G`` input channels
+    per output row, ``scale = (max - min) / (2^B - 1)``, ``zero = round(-min / scale)``,
+    ``q = clamp(round(w / scale) + zero, 0, 2^B - 1)``, ``w' = (q - zero) * scale``; embeddings and
+    the LM head stay as loaded (:mod:`kvbench.models.weight_quant`). It is part of the model's
+    identity: the name gains ``-rtn-w<B>g<G>`` (``smollm2-135m-rtn-w4g64``), so its runs are filed,
+    reported and judged as another model's, and the weights note says so. Null is left out of the
+    run id, so every run made before the option keeps its id. The GGUF conversion cache holds the
+    unquantized weights under the name without the suffix (:attr:`source_name`): RTN is applied in
+    memory on every load, so no cached file ever holds quantized weights of one setting for another.
     """
 
     name: str | None = None
@@ -66,6 +80,8 @@ class ModelConfig:
     reference_hub_id: str | None = None
     resources: dict[str, int] | None = not_in_run_id()
     shape: dict[str, float] | None = not_in_run_id()
+    # RTN weight fake-quantization, {bits, group_size}; null: the weights as loaded
+    weight_quant: dict[str, int] | None = inert(None)
 
     def __post_init__(self) -> None:
         self._check_source()
@@ -77,6 +93,16 @@ class ModelConfig:
                     None,
                     "required; give a string (only model.path or model.gguf name a model by themselves)",
                 )
+        check_weight_quant(self.weight_quant)
+        if self.weight_quant is not None:
+            self.weight_quant = {k: self.weight_quant[k] for k in WEIGHT_QUANT_KEYS}
+            tag = weight_quant_tag(self.weight_quant)
+            # idempotent: a config rebuilt from this one's fields keeps one suffix
+            if not self.name.endswith(f"-{tag}"):
+                self.name = f"{self.name}-{tag}"
+            note = self._weight_quant_note()
+            if note not in self.weights_note:
+                self.weights_note = f"{self.weights_note}; {note}" if self.weights_note else note
         # the name is a folder of the run's path and of the conversion cache
         paths.safe_component("model.name", self.name)
         if self.dtype not in DTYPES:
@@ -200,6 +226,30 @@ class ModelConfig:
             (str(self.gguf_package).format(part=i), str(self.gguf_file).format(part=i))
             for i in range(1, self.gguf_parts + 1)
         ]
+
+    def _weight_quant_note(self) -> str:
+        wq = self.weight_quant or {}
+        return (
+            f"RTN weight fake-quantization: {wq.get('bits')}-bit, groups of {wq.get('group_size')} "
+            "input channels (transformer blocks' linear layers)"
+        )
+
+    @property
+    def source_weights_note(self) -> str:
+        """The weights note of the weights as loaded, without the weight quantization's words."""
+        if self.weight_quant is None:
+            return self.weights_note
+        note = self._weight_quant_note()
+        return self.weights_note.replace(f"; {note}", "").replace(note, "")
+
+    @property
+    def source_name(self) -> str:
+        """The name without the weight quantization's suffix: the model the weights are loaded as
+        (the folder a package's GGUF converts into)."""
+        if self.weight_quant is None:
+            return str(self.name)
+        tag = f"-{weight_quant_tag(self.weight_quant)}"
+        return str(self.name)[: -len(tag)] if str(self.name).endswith(tag) else str(self.name)
 
     @property
     def source(self) -> str:

@@ -74,7 +74,7 @@ def converted_dir(cfg: ModelConfig) -> Path:
     if cfg.gguf:
         name, key, value = f"gguf-{file_sha256(gguf_path(cfg))[:16]}", CACHE_ENV, str(cache_dir())
     else:
-        name, key, value = safe_component("model.name", cfg.name), "model.name", cfg.name
+        name, key, value = safe_component("model.name", cfg.source_name), "model.name", cfg.name
     folder = check_inside(models_dir() / name, models_dir(), key, value)
     if folder.exists() and not _owned(folder):
         raise ConfigError(
@@ -147,7 +147,7 @@ def assembled_gguf(cfg: ModelConfig) -> Path:
     record = {"parts": [[str(p), *_identity(p)] for p in parts]}
     folder = models_dir() / "assembled"
     target = check_inside(
-        folder / f"{safe_component('model.name', cfg.name)}.gguf", folder, "model.name", cfg.name
+        folder / f"{safe_component('model.name', cfg.source_name)}.gguf", folder, "model.name", cfg.name
     )
     stamp = target.with_name(target.name + ".json")
 
@@ -384,7 +384,7 @@ def _convert_into(cfg: ModelConfig, gguf: Path, manifest: Mapping[str, Any], fol
             record = {
                 **manifest,
                 **({"gguf_path": str(gguf)} if cfg.gguf else {}),  # where it was read first; not compared
-                "weights_note": cfg.weights_note,
+                "weights_note": cfg.source_weights_note,
                 "seconds": round(time.perf_counter() - started, 1),
             }
             (tmp / MANIFEST_NAME).write_text(json.dumps(record, indent=2) + "\n")

@@ -19,6 +19,7 @@ from kvbench.models.files import check_safetensors
 from kvbench.models.gguf import check_gguf, converted_dir, ensure_converted
 from kvbench.models.hub import hub_offline, hub_reachable
 from kvbench.models.shape import ModelShape, shape_of_config
+from kvbench.models.weight_quant import fake_quantize_model
 
 
 def load_model(
@@ -31,6 +32,9 @@ def load_model(
     :func:`kvbench.cache.register_attention` returns). Register a mask function under the same name
     too (``ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)``): for a name it has no mask
     function for, transformers passes ``attention_mask=None``, silently dropping padding.
+
+    With ``cfg.weight_quant`` set, the transformer blocks' linear weights are then replaced by their
+    RTN fake-quantized values (:func:`kvbench.models.weight_quant.fake_quantize_model`).
     """
     if cfg.source == "path":
         folder = _local_folder(cfg.path)
@@ -41,7 +45,10 @@ def load_model(
     else:
         model, tokenizer = _from_hub(cfg, attn_implementation, device)
     _ensure_pad_token(tokenizer)
-    return _freeze(model), tokenizer
+    model = _freeze(model)
+    # RTN weight fake-quantization (model.weight_quant), in memory on every load: no cache holds it
+    fake_quantize_model(model, cfg.weight_quant)
+    return model, tokenizer
 
 
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")

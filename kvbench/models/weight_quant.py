@@ -1,0 +1,131 @@
+"""Weight fake-quantization of a loaded model: round-to-nearest (RTN), per output row, over groups of
+input channels, the baseline of the weight-only quantization papers (GPTQ, AWQ and OmniQuant report
+RTN beside themselves; IntactKV's Table 1 improves each of them).
+
+The option is ``model.weight_quant: {bits: B, group_size: G}`` (null, the default: weights as
+loaded). After the model loads, every ``nn.Linear`` inside the transformer blocks (the attention's
+q/k/v/o projections and the MLP's gate/up/down projections) has its weight ``W [out, in]``
+replaced by its fake-quantized value; the embeddings and the LM head stay as loaded, as in the RTN
+baselines of those papers. Each row of ``W`` is cut into ``in / G`` groups of ``G`` consecutive
+input channels, and each group ``w`` is quantized asymmetrically over its own min-max range:
+
+    scale = (max(w) - min(w)) / (2^B - 1)
+    zero  = round(-min(w) / scale)
+    q     = clamp(round(w / scale) + zero, 0, 2^B - 1)
+    w'    = (q - zero) * scale
+
+A constant group (``max == min``) has no range to quantize and is kept as it is (its ``w'`` equals
+``w``). The arithmetic runs in float32 and ``w'`` is stored back in the weight's dtype: the model
+computes with ``w'`` exactly as a dequantize-then-matmul kernel would (fake quantization: the bytes
+held stay those of the loaded dtype; nothing here saves memory).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.errors import ConfigError
+
+# The bit widths RTN is defined for here: 2^B - 1 levels above zero, at most 8 bits.
+BITS = range(2, 9)
+# The keys of ``model.weight_quant``.
+KEYS = ("bits", "group_size")
+
+
+def check_weight_quant(value: object) -> None:
+    """``model.weight_quant``: null, or ``{bits: 2..8, group_size: positive integer}``; a ConfigError
+    naming the key, the value and what is allowed otherwise. Whether ``group_size`` divides every
+    layer's input width is checked on the weights (:func:`fake_quantize_model`)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ConfigError(
+            "model.weight_quant", value, "null, or {bits: 2..8, group_size: N} (RTN weight fake-quantization)"
+        )
+    for key in value:
+        if key not in KEYS:
+            raise ConfigError(f"model.weight_quant.{key}", value[key], f"unknown key; allowed: {', '.join(KEYS)}")
+    missing = [k for k in KEYS if k not in value]
+    if missing:
+        raise ConfigError("model.weight_quant", value, f"needs {' and '.join(missing)} as well")
+    bits, group = value["bits"], value["group_size"]
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
+        raise ConfigError("model.weight_quant.bits", bits, f"an integer from {BITS.start} to {BITS.stop - 1}")
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ConfigError(
+            "model.weight_quant.group_size", group, "a positive integer that divides every layer's input width"
+        )
+
+
+def weight_quant_tag(value: dict[str, int]) -> str:
+    """What the option adds to the model's name: ``rtn-w4g64`` for 4 bits in groups of 64."""
+    return f"rtn-w{value['bits']}g{value['group_size']}"
+
+
+@torch.no_grad()
+def rtn_fake_quantize(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """``weight [out, in]`` through RTN (the module docstring's equations) over groups of
+    ``group_size`` input channels per output row; same shape and dtype. ``group_size`` must divide
+    ``in``."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"group_size {group_size} does not divide in_features {in_features}")
+    w = weight.detach().to(torch.float32).reshape(out_features, in_features // group_size, group_size)
+    top = float(2**bits - 1)
+    lo = w.amin(dim=-1, keepdim=True)
+    hi = w.amax(dim=-1, keepdim=True)
+    scale = (hi - lo) / top
+    flat = scale == 0
+    safe = torch.where(flat, torch.ones_like(scale), scale)
+    zero = torch.round(-lo / safe)
+    q = torch.clamp(torch.round(w / safe) + zero, 0, top)
+    dq = torch.where(flat, w, (q - zero) * safe)
+    return dq.reshape(out_features, in_features).to(weight.dtype)
+
+
+def block_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    """The ``nn.Linear`` modules of the transformer blocks: those under the decoder's layer list
+    (``model.layers.<i>.``, ``transformer.h.<i>.`` and the like: a module list whose children are
+    the blocks). The embeddings and the LM head lie outside it."""
+    blocks = _block_list(model)
+    found = []
+    for index, block in enumerate(blocks):
+        for name, module in block.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                found.append((f"{index}.{name}", module))
+    return found
+
+
+def _block_list(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The largest ``nn.ModuleList`` in the model: its decoder blocks."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        raise ConfigError(
+            "model.weight_quant", None, f"{type(model).__name__} has no list of decoder blocks to quantize"
+        )
+    return max(lists, key=len)
+
+
+@torch.no_grad()
+def fake_quantize_model(model: torch.nn.Module, value: dict[str, int] | None) -> int:
+    """Replace every block linear's weight of ``model`` by its RTN value (``value``: the checked
+    ``model.weight_quant``; None does nothing). Every layer's input width is checked against
+    ``group_size`` before any weight changes. Returns the number of layers quantized."""
+    if value is None:
+        return 0
+    bits, group = value["bits"], value["group_size"]
+    linears = block_linears(model)
+    widths = sorted({m.in_features for _, m in linears})
+    bad = [w for w in widths if w % group]
+    if bad:
+        fits = [g for g in (32, 64, 128, 256) if all(w % g == 0 for w in widths)]
+        raise ConfigError(
+            "model.weight_quant.group_size",
+            group,
+            f"a divisor of every block linear's input width ({', '.join(map(str, widths))}); "
+            f"{', '.join(map(str, bad))} is not divisible by it"
+            + (f" (e.g. {', '.join(map(str, fits))})" if fits else ""),
+        )
+    for _, module in linears:
+        module.weight.copy_(rtn_fake_quantize(module.weight, bits, group))
+    return len(linears)
