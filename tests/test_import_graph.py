@@ -42,6 +42,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # the entries: the report, the reproduction, the Hydra entry, and the package itself
     # (kvbench/__init__.py exports the Python API of kvbench/api.py)
     ("report", "reproduce", "__main__", PACKAGE),
+    ("cli",),  # what the entries call before Hydra runs: the chosen config nodes, Hydra composition
     ("analysis",),  # stored runs into pandas, paper tables, claims, figures
     ("launchers",),  # Hydra launchers (submitit) around runs
     ("run", "api"),  # one run: load, build, execute, write; a method's cache in the user's own code

@@ -1,0 +1,7 @@
+"""``python -m kvbench.reproduce``: :func:`kvbench.reproduce.main`."""
+
+import sys
+
+from kvbench.reproduce import main
+
+sys.exit(main())
