@@ -16,8 +16,8 @@ Two granularities:
   ``kvbench/run.py`` another), the root package ``kvbench/__init__.py`` (unit ``kvbench``), plus
   ``scripts/`` as one unit on top. Every unit stands on one floor of :data:`FLOORS`; a unit imports
   only from its own floor or below, with no circle inside a floor. The levels (the longest chain of
-  imports from ``scripts/`` or ``report.py`` down to ``errors.py``, both ends counted) are at most
-  :data:`MAX_LEVELS`.
+  imports from ``scripts/`` or ``kvbench/report/`` down to ``errors.py``, both ends counted) are at
+  most :data:`MAX_LEVELS`.
 """
 
 from __future__ import annotations
