@@ -11,7 +11,7 @@ from kvbench.cache import memory_report, use_kvbench_attention
 from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape, build_method
 from kvbench.methods.semkv import semkv_layers
-from kvbench.methods.semkv_metrics import METRICS, attention_update, logit_scores
+from kvbench.methods.semkv_metrics import METRICS, attention_update, hidden_metric, logit_scores
 from kvbench.quant.affine import fake_quantize_grouped
 from kvbench.quant.mixed import RunningAllocator, high_fraction, top_k_mask
 
@@ -314,6 +314,15 @@ def test_every_metric_runs_through_a_model_with_delayed_chunks(tiny, metric):
         assert torch.equal(layers[0].allocation_mask(), layers[1].allocation_mask())
     if m.hidden is not None:
         m.hidden.close()
+
+
+def test_hidden_metrics_hand_case():
+    # token 0: h_in (3, 4), h_out (6, 8); token 1: h_in (0, 1), h_out (0, 1) (the layer left it alone)
+    h_in = torch.tensor([[[3.0, 4.0], [0.0, 1.0]]])
+    h_out = torch.tensor([[[6.0, 8.0], [0.0, 1.0]]])
+    assert hidden_metric("hidden_norm")((h_in,), {}, (h_out,)).tolist() == [[5.0, 1.0]]
+    # ||(3, 4)|| = 5 and ||(0, 0)|| = 0; the input may also come by keyword, the output bare
+    assert hidden_metric("hidden_change")((), {"hidden_states": h_in}, h_out).tolist() == [[5.0, 0.0]]
 
 
 @pytest.mark.parametrize("metric", ["hidden_norm", "hidden_change"])
