@@ -66,13 +66,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 MAX_LEVELS = 12
 
 # Upward imports not fixed yet, each with the issue item that removes it. The test fails when one of
-# these is gone (delete its line) as well as when a new one appears.
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    # kernels/cpu/parts.py, kernels/triton_parts.py and kernels/compile_check.py choose a kernel by
-    # the type of the cache's stored part (PerChannelAffineSource, CodebookSource, RoPESource, ...)
-    # and reach into cache/rotated.py's _gather/_scatter: item 2, each stored part owns its reads.
-    ("kernels", "cache"): "issue 45 item 2",
-}
+# these is gone (delete its line) as well as when a new one appears. None is left (issue 45 items 2
+# and 4 removed the last two).
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, Path]:

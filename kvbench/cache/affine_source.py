@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from kvbench.cache.packed_source import _PackedSource
+from kvbench.kernels.part_reads import PackedCodes, PartReads, register_reads
 
 
 class PerTokenAffineSource(_PackedSource):
@@ -164,3 +165,25 @@ class PerChannelAffineSource(_PackedSource):
         logits = torch.matmul(qs, c.view(b, h, n // g, g, d).transpose(-1, -2))  # [B, H, n/G, M, G]
         logits = logits + torch.matmul(query, z.transpose(-1, -2)).transpose(-1, -2)[..., None]
         return logits.permute(0, 1, 3, 2, 4).reshape(b, h, query.shape[2], n)
+
+
+# -- what the kernels read of these parts (kvbench.kernels.part_reads) --------------------------------
+# Both backends' readers answer these calls on plain tensors: the compiled CPU kernels fold the
+# parameters as the sources above do, Triton reads the parameters' shapes.
+
+
+def _packed(part: PerTokenAffineSource | PerChannelAffineSource) -> PackedCodes:
+    return PackedCodes(part.codes, part.levels, part.head_dim, scale=part.scale, zero=part.zero)
+
+
+_TOKEN_READS = PartReads(
+    scores=lambda reader, part, query: reader.token_affine_scores(query, _packed(part)),
+    mix=lambda reader, part, weights: reader.token_affine_mix(weights, _packed(part), part.group_size),
+)
+_CHANNEL_READS = PartReads(
+    scores=lambda reader, part, query: reader.channel_affine_scores(query, _packed(part), part.group_size),
+    mix=lambda reader, part, weights: reader.channel_affine_mix(weights, _packed(part), part.group_size),
+)
+for _backend in ("compiled", "triton"):
+    register_reads(PerTokenAffineSource, _backend, _TOKEN_READS)
+    register_reads(PerChannelAffineSource, _backend, _CHANNEL_READS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvbench.cache.packed_source import _PackedSource
+from kvbench.kernels.part_reads import PackedCodes, PartReads, register_reads
 
 
 class CodebookSource(_PackedSource):
@@ -112,3 +113,35 @@ class CodebookSource(_PackedSource):
         self._check_range(start, stop)
         out = torch.matmul(weights, self._stored(start, stop))
         return out if self.rotation is None else torch.matmul(out, self.rotation)
+
+
+# -- what the kernels read of this part (kvbench.kernels.part_reads) ----------------------------------
+# A rotation is applied around the kernel (the query before the scores, the mixed value after); the
+# outliers are corrected after it; pre-RoPE keys (a RoPESource around this part) hand their table
+# down, and the kernel rotates every decoded row to its position.
+
+
+def _packed(part: CodebookSource) -> PackedCodes:
+    p = part
+    return PackedCodes(p.codes, p.levels, p.head_dim, p.table, p.scale, p.zero, p.outliers)
+
+
+def _scores(reader, part: CodebookSource, query, rope):
+    return reader.codebook_scores(query, _packed(part), part.rotation, rope)
+
+
+def _mix(reader, part: CodebookSource, weights, rope):
+    return reader.codebook_mix(weights, _packed(part), part.rotation, rope)
+
+
+register_reads(CodebookSource, "compiled", PartReads(_scores, _mix, rope=True))
+register_reads(
+    CodebookSource,
+    "triton",
+    PartReads(
+        _scores,
+        _mix,
+        covers=lambda reader, part, rope: reader.codebook_covers(_packed(part), part.rotation, rope),
+        rope=True,
+    ),
+)

@@ -21,6 +21,8 @@ import torch
 from kvbench.cache.codebook_source import CodebookSource
 from kvbench.cache.growable import GrowableTokens
 from kvbench.cache.source import BlockSource
+from kvbench.kernels.channels import gather_channels, scatter_channels
+from kvbench.kernels.part_reads import PartReads, register_reads
 from kvbench.quant.lloyd_max import lloyd_max_codebook, quantize_scalar, random_rotation
 from kvbench.quant.packing import pack, unpack
 
@@ -175,22 +177,6 @@ def top_channels(x: torch.Tensor, count: int) -> torch.Tensor:
     return order[:, :count].sort(dim=-1).values
 
 
-def _gather(x: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
-    """``x [B, H_kv, T, D]`` at ``channels [H_kv, k]`` per head: ``[B, H_kv, T, k]``."""
-    b, h, t, _ = x.shape
-    return x.gather(-1, channels[None, :, None, :].expand(b, h, t, channels.shape[-1]))
-
-
-def _scatter(parts: list[tuple[torch.Tensor, torch.Tensor]], dim: int) -> torch.Tensor:
-    """Inverse of :func:`_gather` over a partition of the channels: ``(values [B, H_kv, T, k],
-    channels [H_kv, k])`` pairs -> float32 ``[B, H_kv, T, dim]``."""
-    b, h, t, _ = parts[0][0].shape
-    out = torch.empty(b, h, t, dim, dtype=torch.float32, device=parts[0][0].device)
-    for values, channels in parts:
-        out.scatter_(-1, channels[None, :, None, :].expand(b, h, t, channels.shape[-1]), values.float())
-    return out
-
-
 class ChannelSplitCodes:
     """One of K or V held as two :class:`RotatedCodes` over a partition of each head's channels:
     the ``outlier_channels`` of largest mean square at ``outlier_levels``, the other channels at
@@ -238,8 +224,8 @@ class ChannelSplitCodes:
             keep = torch.ones(x.shape[1], d, dtype=torch.bool, device=x.device)
             keep.scatter_(-1, self.channels, False)
             self.rest = keep.nonzero()[:, 1].reshape(x.shape[1], d - self.count)
-        self.outlier.append(_gather(x, self.channels))
-        self.regular.append(_gather(x, self.rest))
+        self.outlier.append(gather_channels(x, self.channels))
+        self.regular.append(gather_channels(x, self.rest))
 
     def _held_channels(self) -> torch.Tensor:
         return self.channels.to(torch.uint8 if self.head_dim <= 256 else torch.int16)
@@ -272,7 +258,7 @@ class ChannelSplitCodes:
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[B, H_kv, T, D]``: each set's reconstruction at its channels."""
-        return _scatter(
+        return scatter_channels(
             [(self.outlier.dequantize(), self.channels), (self.regular.dequantize(), self.rest)],
             self.head_dim,
         )
@@ -315,16 +301,42 @@ class ChannelSplitSource(BlockSource):
 
     def read(self, start: int, stop: int) -> torch.Tensor:
         self._check_range(start, stop)
-        return _scatter([(src.read(start, stop), ch) for src, ch in self.parts], self.head_dim)
+        return scatter_channels([(src.read(start, stop), ch) for src, ch in self.parts], self.head_dim)
 
     def scores(self, query: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         self._check_range(start, stop)
         out = None
         for src, ch in self.parts:
-            s = src.scores(_gather(query, ch), start, stop)
+            s = src.scores(gather_channels(query, ch), start, stop)
             out = s if out is None else out + s
         return out
 
     def mix(self, weights: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         self._check_range(start, stop)
-        return _scatter([(src.mix(weights, start, stop), ch) for src, ch in self.parts], self.head_dim)
+        mixed = [(src.mix(weights, start, stop), ch) for src, ch in self.parts]
+        return scatter_channels(mixed, self.head_dim)
+
+
+# -- what the kernels read of this part (kvbench.kernels.part_reads) ----------------------------------
+# Triton reads each channel set's part through its own registered read: the query gathered to the
+# set's channels, the mixed values scattered back (two launches, whatever the context). The
+# compiled CPU reader registers nothing here: the split's torch reference reads it.
+
+
+def _split_scores(reader, part: ChannelSplitSource, query):
+    out = None
+    for src, channels in part.parts:
+        s = reader.part_scores(src, gather_channels(query, channels))
+        out = s if out is None else out.add_(s)
+    return out
+
+
+def _split_mix(reader, part: ChannelSplitSource, weights):
+    return scatter_channels([(reader.part_mix(src, weights), ch) for src, ch in part.parts], part.head_dim)
+
+
+register_reads(
+    ChannelSplitSource,
+    "triton",
+    PartReads(_split_scores, _split_mix, lambda reader, part: all(reader.covers(s) for s, _ in part.parts)),
+)

@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvbench.kernels.part_reads import PartReads, RopeTable, register_reads
 from kvbench.quant.rope import cos_sin, rotate
 
 
@@ -160,3 +161,44 @@ class ConcatSource(BlockSource):
             part = p.mix(weights[..., ws:we], s, e)
             out = part if out is None else out + part
         return out
+
+
+# -- what the kernels read of these parts (kvbench.kernels.part_reads) --------------------------------
+
+
+def _rope_table(part: RoPESource) -> RopeTable | None:
+    return None if part.table is None else RopeTable(part.table[0], part.table[1], part.first_position)
+
+
+def _rope_scores(reader, part: RoPESource, query):
+    """Pre-RoPE keys: the inner part's read, handed the layer's table (the kernel rotates every
+    decoded row; a part whose read takes no table declines)."""
+    rope = _rope_table(part)
+    if rope is None:
+        return reader.decline("pre-RoPE keys need the layer's cos/sin table")
+    return reader.part_scores(part.inner, query, rope)
+
+
+def _rope_mix(reader, part: RoPESource, weights):
+    rope = _rope_table(part)
+    if rope is None:
+        return reader.decline("pre-RoPE keys need the layer's cos/sin table")
+    return reader.part_mix(part.inner, weights, rope)
+
+
+def _rope_covers(reader, part: RoPESource) -> bool:
+    rope = _rope_table(part)
+    return rope is not None and reader.covers(part.inner, rope)
+
+
+_ROPE_READS = PartReads(_rope_scores, _rope_mix, _rope_covers)
+# Full-precision rows (kvbench.cache.fp.FullPrecisionSource) are registered here by their stable
+# name rather than in fp.py: fp.py imports this module, so the entry exists whenever the class does.
+# (fp.py was outside the change that made the registry; the entry can move there as it stands.)
+_ROWS_READS = PartReads(
+    scores=lambda reader, part, query: reader.rows_scores(query, part.data),
+    mix=lambda reader, part, weights: reader.rows_mix(weights, part.data),
+)
+for _backend in ("compiled", "triton"):
+    register_reads(RoPESource, _backend, _ROPE_READS)
+    register_reads("kvbench.cache.fp.FullPrecisionSource", _backend, _ROWS_READS)

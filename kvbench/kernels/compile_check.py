@@ -196,9 +196,9 @@ def _kivi_decode(
 
 
 def _part_reads(levels: int, d: int, rows: int, context: int = 4096) -> None:
-    """TritonReader scores and mix over a per-token affine part (``rows`` query rows per kv head:
-    a decode step's GQA group, or a prefill chunk's 64)."""
-    from kvbench.cache.affine_source import PerTokenAffineSource
+    """TritonReader scores and mix over per-token affine codes (``rows`` query rows per kv head:
+    a decode step's GQA group, or a prefill chunk's 64), the launch a per-token affine part makes."""
+    from kvbench.kernels.part_reads import PackedCodes
     from kvbench.kernels.triton_parts import TritonReader
     from kvbench.quant.affine import quantize_grouped
     from kvbench.quant.packing import pack
@@ -206,10 +206,10 @@ def _part_reads(levels: int, d: int, rows: int, context: int = 4096) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 8, context, d, generator=g)
     codes, scale, zero = quantize_grouped(x, levels, "token", GROUP)
-    part = PerTokenAffineSource(pack(codes, levels), scale, zero, levels, GROUP, d)
+    part = PackedCodes(pack(codes, levels), levels, d, scale=scale, zero=zero)
     reader = TritonReader()
-    reader.scores(part, torch.randn(1, 8, rows, d, generator=g))
-    reader.mix(part, torch.rand(1, 8, rows, context, generator=g))
+    reader.token_affine_scores(torch.randn(1, 8, rows, d, generator=g), part)
+    reader.token_affine_mix(torch.rand(1, 8, rows, context, generator=g), part, GROUP)
 
 
 # Level counts of the full sweep: 2/3/4/5/6/16 (1-4-bit codes, base-L packing at 3, 5, 6) and the

@@ -1,10 +1,11 @@
 """Dense-and-sparse outlier corrections, shared by the compiled CPU reader
 (:mod:`kvbench.kernels.cpu.parts`) and the Triton reader (:mod:`kvbench.kernels.triton_parts`).
 
-A codebook part with outliers (:class:`~kvbench.cache.codebook_source.CodebookSource`, KVQuant)
-is read as its dense codes first; then one pass over the outlier entries adds what the codes got
-wrong there: ``q . (exact - reconstructed)`` to the scores (rotated to the token's position when the
-keys are stored before RoPE), ``p_t (exact - reconstructed)`` to the mix. Each correction is one
+A codebook part with outliers (KVQuant's, handed over as a
+:class:`~kvbench.kernels.part_reads.PackedCodes` with its ``outliers``) is read as its dense codes
+first; then one pass over the outlier entries adds what the codes got wrong there:
+``q . (exact - reconstructed)`` to the scores (rotated to the token's position when the keys are
+stored before RoPE), ``p_t (exact - reconstructed)`` to the mix. Each correction is one
 compiled call (``outlier_scores``/``outlier_mix`` in ``cpu/sparse.cpp``) when the compiled module is
 given, else the torch expression written out here, which is also what the compiled pass is tested
 against (``tests/kernels/test_sparse_kernels.py``).
@@ -64,8 +65,9 @@ def _outlier_args(part):
 def _correct_scores(out, part, query, rope, module=None):
     """Add ``q . (exact - reconstructed)`` at every outlier (rotated to its position with RoPE):
     one compiled pass over the entries, or the torch expression of it below. ``part``: the codebook
-    part; ``rope``: the :class:`~kvbench.cache.source.RoPESource` around it when its keys are stored
-    before RoPE, else None."""
+    codes (a :class:`~kvbench.kernels.part_reads.PackedCodes`, or anything with its fields);
+    ``rope``: the :class:`~kvbench.kernels.part_reads.RopeTable` when the keys are stored before
+    RoPE (anything with ``table`` and ``first_position``), else None."""
     if module is not None and out.is_contiguous():
         cos = sin = None
         offset = 0

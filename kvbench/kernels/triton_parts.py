@@ -6,27 +6,33 @@ counterpart of the compiled CPU reader (:class:`~kvbench.kernels.cpu.parts.Compi
 few torch ops around it: a rotation matmul, a split reduction, the sparse outlier corrections), so
 a decode step is a fixed number of launches per layer and nothing is read back to the host.
 
-Covered parts (the stored formats of :mod:`kvbench.cache`):
+What a part is read with is declared by the part, in its own file, in the registry of
+:mod:`kvbench.kernels.part_reads` (backend ``triton``); the reader offers these reads on plain
+tensors:
 
-- :class:`FullPrecisionSource`: fp16, bf16 or fp32 rows, read in place (bf16 moves as int16 bits
-  and is widened by hand: exact everywhere, the interpreter's bf16 casts are not);
-- :class:`PerTokenAffineSource`, :class:`PerChannelAffineSource`: packed codes at any level count
-  (power-of-two bit streams and base-L words, decoded by
-  :func:`~kvbench.kernels.decode_attention._unpack_tile`) with any group size;
-- :class:`CodebookSource`: codes looked up in the codebook; scale/zero absent, one per token, one
-  fixed row, or per channel group (any broadcastable shape: the kernel indexes parameters through
-  ``(token // TG, channel // CG)`` with zero strides on broadcast axes); a per-head rotation as two
-  torch matmuls (the query before the scores, the mixed value after); dense-and-sparse outliers
-  corrected after the kernel by the torch expressions of the compiled reader (one scatter-add);
-- :class:`RoPESource` over a :class:`CodebookSource` without rotation (KVQuant's pre-RoPE keys):
-  every decoded row is rotated to its position inside the kernel from the layer's cos/sin table
-  (the partner channel of the "rotate half" layout is decoded a second time rather than shuffled);
-- :class:`~kvbench.cache.rotated.ChannelSplitSource` (TurboQuant's outlier channels): each channel
-  set is a codebook part of its own; the query is gathered to the set's channels (torch) and the
-  mixes scattered back, so the split costs two launches, whatever the context.
+- full-precision rows (:meth:`~TritonReader.rows_scores`): fp16, bf16 or fp32, read in place (bf16
+  moves as int16 bits and is widened by hand: exact everywhere, the interpreter's bf16 casts are
+  not);
+- affine codes (:meth:`~TritonReader.token_affine_scores`, :meth:`~TritonReader.channel_affine_scores`
+  and their mixes): packed codes at any level count (power-of-two bit streams and base-L words,
+  decoded by :func:`~kvbench.kernels.decode_attention._unpack_tile`) with any group size;
+- codebook codes (:meth:`~TritonReader.codebook_scores`): codes looked up in the codebook;
+  scale/zero absent, one per token, one fixed row, or per channel group (any broadcastable shape:
+  the kernel indexes parameters through ``(token // TG, channel // CG)`` with zero strides on
+  broadcast axes); a per-head rotation as two torch matmuls (the query before the scores, the mixed
+  value after); dense-and-sparse outliers corrected after the kernel by the torch expressions of the
+  compiled reader (one scatter-add);
+- pre-RoPE codebook keys without rotation (KVQuant's; a
+  :class:`~kvbench.kernels.part_reads.RopeTable` given): every decoded row is rotated to its
+  position inside the kernel from the layer's cos/sin table (the partner channel of the "rotate
+  half" layout is decoded a second time rather than shuffled);
+- a part built of others (TurboQuant's outlier channels, a channel split) reads its inner parts
+  through :meth:`~kvbench.kernels.part_reads.KernelReader.part_scores` around the gather and scatter
+  of :mod:`kvbench.kernels.channels`, so the split costs two launches, whatever the context.
 
-Anything else (bit planes, a rotation together with sparse outliers, RoPE over another inner
-source) raises :class:`NotImplementedError` on ``backend=triton`` instead of falling back to torch:
+Anything else (a part with no ``triton`` reads: bit planes; a rotation together with sparse
+outliers, RoPE over another inner source) raises :class:`NotImplementedError` on ``backend=triton``
+instead of falling back to torch:
 a method whose parts the reader does not cover is refused on that backend when its config is built
 (DESIGN.md: never run on part of its cache), so reaching one there is a bug, not a choice. Under
 ``backend=auto`` on a CUDA device the reader is not strict: such a part runs its torch reference
@@ -56,14 +62,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbench.cache.affine_source import PerChannelAffineSource, PerTokenAffineSource
-from kvbench.cache.codebook_source import CodebookSource
-from kvbench.cache.fp import FullPrecisionSource
-from kvbench.cache.rotated import ChannelSplitSource, _gather, _scatter
-from kvbench.cache.source import RoPESource, TokenSource
 from kvbench.kernels.cpu import note_backend
 from kvbench.kernels.decode_attention import _unpack_tile
 from kvbench.kernels.outliers import _correct_mix, _correct_scores
+from kvbench.kernels.part_reads import KernelReader, PackedCodes, RopeTable
 from kvbench.kernels.quant_pack import _load_f32
 from kvbench.kernels.runtime import (
     interpreter_numpy_compat,
@@ -352,14 +354,16 @@ def _param_args(p: torch.Tensor | None, b: int, h: int, t: int, d: int, dummy) -
     return [p, sb, sh, st, sd], {"rows": rows, "cols": cols, "has": True, "bf16": bf16}
 
 
-def _codes_args(part, table, scale, zero, d: int, dummy) -> tuple[list, dict]:
+def _codes_args(part: PackedCodes, dummy) -> tuple[list, dict]:
     """Kernel arguments of packed codes ``[B, H_kv, T, bytes]`` with their table and parameters."""
     codes = part.codes if part.codes.stride(-1) == 1 else part.codes.contiguous()
     b, h, t, _ = codes.shape
-    s_args, s = _param_args(scale, b, h, t, d, dummy)
-    z_args, z = _param_args(zero, b, h, t, d, dummy)
+    d = part.head_dim
+    s_args, s = _param_args(part.scale, b, h, t, d, dummy)
+    z_args, z = _param_args(part.zero, b, h, t, d, dummy)
     chunk, word = chunk_layout(part.levels)
     levels = part.levels
+    table = part.table
     args = [codes, *_bcast_strides(codes, (b, h)), codes.stride(2), table if table is not None else dummy]
     args += [*s_args, *z_args]
     consts = dict(
@@ -381,21 +385,6 @@ def _fp_args(data: torch.Tensor, dummy) -> tuple[list, dict]:
         HAS_ZERO=False, S_BF16=False, Z_BF16=False, TG_S=1, CG_S=1, TG_Z=1, CG_Z=1,
     )  # fmt: skip
     return args, consts
-
-
-def _layout(part: TokenSource, dummy: torch.Tensor) -> tuple[list, dict, int]:
-    """``(args, constexprs, D)`` of a part's rows (without RoPE), or NotImplementedError."""
-    if type(part) is FullPrecisionSource:
-        args, consts = _fp_args(part.data, dummy)
-        return args, consts, part.data.shape[-1]
-    d = getattr(part, "head_dim", None)
-    if type(part) is PerTokenAffineSource or type(part) is PerChannelAffineSource:
-        args, consts = _codes_args(part, None, part.scale, part.zero, d, dummy)
-        return args, consts, d
-    if type(part) is CodebookSource:
-        args, consts = _codes_args(part, part.table, part.scale, part.zero, d, dummy)
-        return args, consts, d
-    raise NotImplementedError(f"the Triton reader does not read {type(part).__name__} parts")
 
 
 class _Plan:
@@ -437,27 +426,23 @@ class _Plan:
         self.splits = max(1, -(-tokens // self.split_len))
 
 
-def _launch(part: TokenSource, x: torch.Tensor, mix: bool) -> torch.Tensor:
-    """One launch of :func:`_part_kernel` over the whole part. ``x``: float32 query ``[B, H_kv, M,
-    D]`` (scores) or weights ``[B, H_kv, M, T]`` (mix)."""
-    rope = part if type(part) is RoPESource else None
-    inner = part.inner if rope is not None else part
-    if rope is not None and (type(inner) is not CodebookSource or inner.rotation is not None):
-        raise NotImplementedError("the Triton reader rotates pre-RoPE codebook keys without a rotation only")
-    if rope is not None and rope.table is None:
-        raise NotImplementedError("pre-RoPE keys need the layer's cos/sin table")
+def _launch(
+    layout: torch.Tensor | PackedCodes, x: torch.Tensor, mix: bool, rope: RopeTable | None, where: str
+) -> torch.Tensor:
+    """One launch of :func:`_part_kernel` over the whole part: ``layout`` is full-precision rows
+    ``[B, H_kv, T, D]`` or :class:`PackedCodes`. ``x``: float32 query ``[B, H_kv, M, D]`` (scores)
+    or weights ``[B, H_kv, M, T]`` (mix). ``where`` names the part in a refusal."""
+    rows = isinstance(layout, torch.Tensor)
     b, h, m, _ = x.shape
-    t = part.num_tokens
+    t = layout.shape[-2] if rows else layout.num_tokens
+    d = layout.shape[-1] if rows else layout.head_dim
     if t == 0:  # nothing stored in this part (the layouts below divide by the token count)
-        if not mix:
-            return x.new_zeros(b, h, m, 0)
-        d = inner.data.shape[-1] if type(inner) is FullPrecisionSource else inner.head_dim
-        return x.new_zeros(b, h, m, d)
-    args, consts, d = _layout(inner, x)
+        return x.new_zeros(b, h, m, d) if mix else x.new_zeros(b, h, m, 0)
+    args, consts = _fp_args(layout, x) if rows else _codes_args(layout, x)
     if consts["KIND"] == 1:
-        refuse_unchecked_levels(consts["LEVELS"], x.device, f"TritonReader ({type(inner).__name__})")
+        refuse_unchecked_levels(consts["LEVELS"], x.device, f"TritonReader ({where})")
     if rope is not None:
-        cos, sin = (c.contiguous() for c in rope.table)
+        cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
         rope_args = [cos, sin, cos.stride(0), rope.first_position]
     else:
         rope_args = [x, x, 0, 0]
@@ -478,7 +463,10 @@ def _launch(part: TokenSource, x: torch.Tensor, mix: bool) -> torch.Tensor:
     return out
 
 
-class TritonReader:
+_ROPE_ROTATION = "the Triton reader rotates pre-RoPE codebook keys without a rotation only"
+
+
+class TritonReader(KernelReader):
     """Whole-part scores and mixes through :func:`_part_kernel` (module docstring: what it reads).
 
     ``strict`` (``backend=triton``): a part the reader does not cover raises, since the method was
@@ -486,11 +474,21 @@ class TritonReader:
     CUDA device, where methods without Triton coverage also run): such a part returns None and its
     torch reference runs, as the compiled CPU reader does, and the run records both backends."""
 
+    backend = "triton"
+
     def __init__(self, strict: bool = True):
         self.strict = strict
+        self._where = ""  # the part being read, for a refusal's message
 
-    def _declined(self, part: TokenSource) -> bool:
-        if covers(part):
+    def decline(self, why: str) -> None:
+        raise NotImplementedError(why)
+
+    def _binding(self, part, which, rope):
+        self._where = type(part).__name__
+        return super()._binding(part, which, rope)
+
+    def _declined(self, part) -> bool:
+        if self.covers(part):
             return False
         if self.strict:
             raise NotImplementedError(
@@ -500,7 +498,7 @@ class TritonReader:
         note_backend("torch")
         return True
 
-    def _read(self, how, part: TokenSource, x: torch.Tensor) -> torch.Tensor | None:
+    def _read(self, how, part, x: torch.Tensor) -> torch.Tensor | None:
         if self._declined(part):
             return None
         try:
@@ -513,55 +511,76 @@ class TritonReader:
         note_backend("triton")
         return out
 
-    def scores(self, part: TokenSource, query: torch.Tensor) -> torch.Tensor | None:
+    def scores(self, part, query: torch.Tensor) -> torch.Tensor | None:
         """``query [B, H_kv, M, D]`` float32 -> logits ``[B, H_kv, M, T]`` float32."""
-        return self._read(self._scores, part, query)
+        return self._read(self.part_scores, part, query)
 
-    def _scores(self, part, query):
-        if type(part) is ChannelSplitSource:
-            out = None
-            for src, channels in part.parts:
-                s = self._scores(src, _gather(query, channels))
-                out = s if out is None else out.add_(s)
-            return out
-        if type(part) is CodebookSource:
-            if part.outliers is not None and part.rotation is not None:
-                raise NotImplementedError("sparse outliers over rotated codes have no Triton reader")
-            q = query if part.rotation is None else torch.matmul(query, part.rotation.transpose(-1, -2))
-            out = _launch(part, q, mix=False)
-            return out if part.outliers is None else _correct_scores(out, part, query, None)
-        out = _launch(part, query, mix=False)
-        if type(part) is RoPESource and part.inner.outliers is not None:
-            return _correct_scores(out, part.inner, query, part)
-        return out
-
-    def mix(self, part: TokenSource, weights: torch.Tensor) -> torch.Tensor | None:
+    def mix(self, part, weights: torch.Tensor) -> torch.Tensor | None:
         """``weights [B, H_kv, M, T]`` float32 -> ``[B, H_kv, M, D]`` float32."""
-        return self._read(self._mix, part, weights)
+        return self._read(self.part_mix, part, weights)
 
-    def _mix(self, part, weights):
-        if type(part) is ChannelSplitSource:
-            return _scatter([(self._mix(src, weights), ch) for src, ch in part.parts], part.head_dim)
-        if type(part) is RoPESource and part.inner.outliers is not None:
-            raise NotImplementedError("pre-RoPE values with sparse outliers have no Triton reader")
-        if type(part) is CodebookSource and part.outliers is not None and part.rotation is not None:
+    # -- the reads parts register (plain tensors) ------------------------------------------------
+    def rows_scores(self, query, data: torch.Tensor):
+        """Full-precision rows ``data [B, H_kv, T, D]`` (fp16, bf16 or fp32)."""
+        return _launch(data, query, False, None, self._where)
+
+    def rows_mix(self, weights, data: torch.Tensor):
+        return _launch(data, weights, True, None, self._where)
+
+    def token_affine_scores(self, query, part: PackedCodes):
+        """Affine codes (no table) with per-token parameters: the group is in their shape."""
+        return _launch(part, query, False, None, self._where)
+
+    def token_affine_mix(self, weights, part: PackedCodes, group_size: int):
+        return _launch(part, weights, True, None, self._where)
+
+    def channel_affine_scores(self, query, part: PackedCodes, group_size: int):
+        """Affine codes with per-channel parameters over groups of tokens (``T // G`` rows)."""
+        return _launch(part, query, False, None, self._where)
+
+    def channel_affine_mix(self, weights, part: PackedCodes, group_size: int):
+        return _launch(part, weights, True, None, self._where)
+
+    def codebook_scores(self, query, part: PackedCodes, rotation=None, rope: RopeTable | None = None):
+        """Codebook codes, rotated by ``rotation [H_kv, D, D]`` (stored ``Pi x``) or, as pre-RoPE
+        keys, to their positions by ``rope``; outliers corrected after the kernel."""
+        if rope is not None:
+            if rotation is not None:
+                raise NotImplementedError(_ROPE_ROTATION)
+            out = _launch(part, query, False, rope, self._where)
+            return out if part.outliers is None else _correct_scores(out, part, query, rope)
+        if part.outliers is not None and rotation is not None:
             raise NotImplementedError("sparse outliers over rotated codes have no Triton reader")
-        out = _launch(part, weights, mix=True)
-        if type(part) is CodebookSource:
-            if part.rotation is not None:
-                out = torch.matmul(out, part.rotation)
+        q = query if rotation is None else torch.matmul(query, rotation.transpose(-1, -2))
+        out = _launch(part, q, False, None, self._where)
+        return out if part.outliers is None else _correct_scores(out, part, query, None)
+
+    def codebook_mix(self, weights, part: PackedCodes, rotation=None, rope: RopeTable | None = None):
+        """The mix of codebook codes, rotated back by ``rotation``; pre-RoPE values are rotated in
+        the kernel (no store holds them, but nothing forbids them) when they have no outliers."""
+        if rope is not None:
             if part.outliers is not None:
-                out = _correct_mix(out, part, weights)
+                raise NotImplementedError("pre-RoPE values with sparse outliers have no Triton reader")
+            if rotation is not None:
+                raise NotImplementedError(_ROPE_ROTATION)
+            return _launch(part, weights, True, rope, self._where)
+        if part.outliers is not None and rotation is not None:
+            raise NotImplementedError("sparse outliers over rotated codes have no Triton reader")
+        out = _launch(part, weights, True, None, self._where)
+        if rotation is not None:
+            out = torch.matmul(out, rotation)
+        if part.outliers is not None:
+            out = _correct_mix(out, part, weights)
         return out
 
+    @staticmethod
+    def codebook_covers(part: PackedCodes, rotation=None, rope: RopeTable | None = None) -> bool:
+        """Whether :meth:`codebook_scores` and :meth:`codebook_mix` read this layout."""
+        if rope is not None:
+            return rotation is None
+        return part.outliers is None or rotation is None
 
-def covers(part: TokenSource) -> bool:
+
+def covers(part) -> bool:
     """Whether :class:`TritonReader` reads ``part``: what the strict reader checks before a launch."""
-    if type(part) is ChannelSplitSource:
-        return all(covers(src) for src, _ in part.parts)
-    if type(part) is RoPESource:
-        inner = part.inner
-        return type(inner) is CodebookSource and inner.rotation is None and part.table is not None
-    if type(part) is CodebookSource:
-        return part.outliers is None or part.rotation is None
-    return type(part) in (FullPrecisionSource, PerTokenAffineSource, PerChannelAffineSource)
+    return TritonReader().covers(part)
