@@ -56,6 +56,7 @@ if _asks_triton(sys.argv[1:]):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import csv  # noqa: E402
 import gc  # noqa: E402
 import platform  # noqa: E402
@@ -120,11 +121,17 @@ class StubTokenizer:
         return " ".join(str(i) for i in ids)
 
 
-def build_model(geometry: dict, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """A randomly initialised Llama of ``geometry`` (seeded), on kvbench's attention."""
+def build_model(
+    geometry: dict, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> LoadedModel:
+    """A randomly initialised Llama of ``geometry`` (seeded), on kvbench's attention; built on
+    ``device`` where given (``scripts/gpu_check.py``), else on the CPU."""
     torch.manual_seed(SEED)
     config = LlamaConfig(**geometry, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    if device is not None:
+        model = model.to(device)
     use_kvbench_attention(model)
     model.generation_config.eos_token_id = None
     return LoadedModel(
@@ -162,20 +169,26 @@ class Prompt:
     tokens: list[int] = field(default_factory=list)  # the tokens fed by the decode steps
 
 
-def random_prompt(loaded: LoadedModel, n: int, steps: int) -> Prompt:
+def random_prompt(loaded: LoadedModel, n: int, steps: int, device: torch.device | None = None) -> Prompt:
+    """A prompt of ``n`` tokens and ``steps`` decode tokens, drawn (seeded by ``n``) on ``device``
+    where given, else on the CPU."""
     shape, dtype = loaded.shape, loaded.model.dtype
     vocab = loaded.model.config.vocab_size
-    gen = torch.Generator().manual_seed(SEED + n)
+    gen = (torch.Generator() if device is None else torch.Generator(device=device)).manual_seed(SEED + n)
     kv = (1, shape.num_kv_heads, n, shape.head_dim)
     q = (1, shape.num_heads, min(n, PREFILL_QUERIES), shape.head_dim)
     layers = range(shape.num_layers)
+
+    def draw(size):
+        return torch.randn(size, generator=gen, device=device).to(dtype)
+
     return Prompt(
-        keys=[torch.randn(kv, generator=gen).to(dtype) for _ in layers],
-        values=[torch.randn(kv, generator=gen).to(dtype) for _ in layers],
-        queries=[torch.randn(q, generator=gen).to(dtype) for _ in layers],
-        ids=torch.randint(vocab, (1, n), generator=gen),
-        logits=torch.randn(1, n, vocab, generator=gen),
-        tokens=torch.randint(vocab, (steps,), generator=gen).tolist(),
+        keys=[draw(kv) for _ in layers],
+        values=[draw(kv) for _ in layers],
+        queries=[draw(q) for _ in layers],
+        ids=torch.randint(vocab, (1, n), generator=gen, device=device),
+        logits=torch.randn(1, n, vocab, generator=gen, device=device),
+        tokens=torch.randint(vocab, (steps,), generator=gen, device=device).tolist(),
     )
 
 

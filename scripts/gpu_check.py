@@ -542,52 +542,13 @@ def step_times(step, device: torch.device, warmup: int, steps: int) -> list[floa
 
 
 def build_model(sizes: Sizes, device: torch.device, count_ops):
-    """The random Llama of ``sizes.geometry`` built on ``device`` (seeded), on kvbench's attention."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from kvbench.builder import LoadedModel
-    from kvbench.cache import use_kvbench_attention
+    """``count_ops``' random Llama of ``sizes.geometry`` built on ``device`` (seeded), on kvbench's
+    attention, refused where transformers does not hand the cache to kvbench's attention."""
     from kvbench.cache.reach import check_cache_reached
-    from kvbench.models.shape import shape_of_config
 
-    torch.manual_seed(0)
-    config = LlamaConfig(**sizes.geometry, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=sizes.dtype).eval()
-    model = model.to(device)
-    use_kvbench_attention(model)
-    model.generation_config.eos_token_id = None
-    shape = shape_of_config(config)
-    check_cache_reached(model, shape.num_layers)  # refuse a transformers that drops cache=
-    return LoadedModel(
-        config=None,
-        model=model,
-        tokenizer=count_ops.StubTokenizer(),
-        shape=shape,
-        load_s=0.0,
-    )
-
-
-def random_prompt(loaded, n: int, steps: int, device: torch.device, count_ops):
-    """:class:`count_ops.Prompt` drawn on ``device``."""
-    shape, dtype = loaded.shape, loaded.model.dtype
-    vocab = loaded.model.config.vocab_size
-    gen = torch.Generator(device=device).manual_seed(n)
-    kv = (1, shape.num_kv_heads, n, shape.head_dim)
-    q = (1, shape.num_heads, min(n, count_ops.PREFILL_QUERIES), shape.head_dim)
-    layers = range(shape.num_layers)
-
-    def draw(s):
-        return torch.randn(s, generator=gen, device=device).to(dtype)
-
-    return count_ops.Prompt(
-        keys=[draw(kv) for _ in layers],
-        values=[draw(kv) for _ in layers],
-        queries=[draw(q) for _ in layers],
-        ids=torch.randint(vocab, (1, n), generator=gen, device=device),
-        logits=torch.randn(1, n, vocab, generator=gen, device=device),
-        tokens=torch.randint(vocab, (steps,), generator=gen, device=device).tolist(),
-    )
+    loaded = count_ops.build_model(sizes.geometry, sizes.dtype, device)
+    check_cache_reached(loaded.model, loaded.shape.num_layers)  # refuse a transformers that drops cache=
+    return loaded
 
 
 def method_node(name: str, count_ops) -> dict:
@@ -667,7 +628,7 @@ def decode(sizes: Sizes, device: torch.device, section: Section) -> None:
         )
 
     for n in sizes.decode_contexts:
-        prompt = random_prompt(loaded, n, steps, device, count_ops)
+        prompt = count_ops.random_prompt(loaded, n, steps, device)
         tokens = [torch.tensor([[t]], device=device) for t in prompt.tokens]
         sdpa_ms = None
         eager_ms = {}
