@@ -15,8 +15,8 @@ tensor). So the kernels hold kernels and the plain-tensor calls into them (the r
 the cache holds storage and which of those calls reads each part, and neither switches on the
 other's classes. Adding a stored format touches its own file (storage, torch reference, one
 registration per backend it has a kernel for), its kernels and its tests; a format with no
-registration is read by its torch reference on every backend (and refused on ``backend=triton``,
-which must read every part).
+registration is read by its torch reference on the CPU and under ``backend=auto`` on CUDA, and
+raises in the strict reader of ``backend=triton`` (a method that stores it must not list triton).
 
 A binding is called as ``scores(reader, part, query)`` / ``mix(reader, part, weights)``, or with a
 fourth argument ``rope`` when it declares ``rope=True`` (the part is read as keys stored before
