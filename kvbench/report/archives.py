@@ -9,13 +9,15 @@ from pathlib import Path
 from kvbench.report.output import ReportError
 
 
-def archive(runs: str, results: Path, say=print) -> int:
-    """Write the archives of the runs under ``runs`` into ``results``; the exit status."""
+def archive(runs: str, results: Path, say=print, add: bool = False) -> int:
+    """Write the archives of the runs under ``runs`` into ``results``; the exit status. ``add``:
+    the runs join each archive's stored runs (``kvbench.analysis.archive.add_runs``) instead of
+    replacing their models' rows."""
     from kvbench.analysis.archive import write_archives
 
     if not Path(runs).is_dir():
         raise ReportError(f"--archive={runs}: no such directory")
-    written = write_archives(runs, results)
+    written = write_archives(runs, results, add=add)
     if not written:
         raise ReportError(f"--archive={runs}: no runs found")
     for path in written.values():

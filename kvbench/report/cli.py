@@ -54,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         help="write RESULTS/<experiment>/samples.csv.gz, each experiment's per-sample archive, from RUNS",
     )
     parser.add_argument(
+        "--add",
+        action="store_true",
+        help="with --archive: add the runs to each archive's runs (new arms of a node whose other runs "
+        "are stored only in the archive) instead of replacing their models' rows",
+    )
+    parser.add_argument(
         "--compare",
         metavar="RUNS",
         help="check the runs under RUNS against the committed archives, sample by sample (exit 1 if any "
@@ -79,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.resamples < 1:
             raise ReportError(f"--resamples={args.resamples}: must be a positive integer")
+        if args.add and args.archive is None:
+            raise ReportError("--add: only with --archive RUNS")
         if args.archive is not None:
-            return archive(args.archive, results)
+            return archive(args.archive, results, add=args.add)
         if args.compare is not None:
             return compare(args.compare, results)
         if args.regenerate:

@@ -314,8 +314,9 @@ def test_adding_runs_to_an_archive_gives_the_archive_of_all_runs(tmp_path):
     results = tmp_path / "results"
     write_archives(stored, results)
     assert "uniform-3b" in set(read_archive(results / "synthetic_cliff")["method"])
-    write_archives(added, results, add=True)
+    assert report.main(["--archive", str(added), "--add", "--results", str(results)]) == 0
     assert (results / "synthetic_cliff" / ARCHIVE).read_bytes() == joint
+    assert report.main(["--add", "--results", str(results)]) == 2  # --add means nothing alone
 
     replaced = tmp_path / "replaced"
     write_archives(stored, replaced)
