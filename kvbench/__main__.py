@@ -63,6 +63,7 @@ from kvbench.cli.nodes import (  # noqa: F401
     load_experiment,
     search_dirs,
 )
+from kvbench.env import get_logger
 from kvbench.errors import ConfigError, Interrupted, Terminated
 
 # Method nodes that experiments choose through ``+experiment/arms/NAME@method``: not for the command
@@ -116,10 +117,9 @@ def cli(argv: list[str]) -> None:
     try:
         check_argv(argv)
         for node, shipped in paths.shadowed_nodes():
-            print(
-                f"kvbench: warning: {node} has the name of a shipped node (kvbench/conf/{shipped}), which "
-                "Hydra reads instead; rename yours to use it",
-                file=sys.stderr,
+            get_logger(__name__).warning(
+                f"{node} has the name of a shipped node (kvbench/conf/{shipped}), which Hydra reads "
+                "instead; rename yours to use it"
             )
         preflight(argv)
     except ConfigError as err:

@@ -106,6 +106,7 @@ from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
 from kvbench.cache import MemoryReport, memory_report
+from kvbench.env import get_logger
 from kvbench.errors import ConfigError
 from kvbench.version import __version__
 
@@ -316,7 +317,7 @@ class RunnerLM(TemplateLM):
 
     @staticmethod
     def _warn(message: str) -> None:
-        print(f"kvbench: warning: {message}", file=sys.stderr)
+        get_logger(__name__).warning(message)
 
     @property
     def method(self):

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from kvbench.env import get_logger
 from kvbench.results import RunFolder
 from kvbench.sweep import sweep_run_folders
 
@@ -112,10 +112,9 @@ def _run_rows(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     if rejected:
         where = "; ".join(f"line {r['line']}: {r['reason']}" for r in rejected[:3])
         more = f"; and {len(rejected) - 3} more" if len(rejected) > 3 else ""
-        print(
-            f"kvbench: warning: {folder / 'samples.jsonl'}: {len(rejected)} line(s) that are not sample "
-            f"rows left out ({where}{more}); a rerun of the run sets them aside",
-            file=sys.stderr,
+        get_logger(__name__).warning(
+            f"{folder / 'samples.jsonl'}: {len(rejected)} line(s) that are not sample rows left out "
+            f"({where}{more}); a rerun of the run sets them aside"
         )
     method_cfg = config.get("method") or {"name": "fp16"}
     task_cfg = config.get("task") or {}

@@ -21,8 +21,8 @@ softmax, and every part answers ``mix`` in one call, so the number of calls per 
 with the context. It runs when the logits of all stored tokens fit :data:`SINGLE_CALL_BUDGET` (a
 decode step's few query rows), the block loop otherwise (prefill chunks over a long cache). The
 sources' own ``scores``/``mix`` over the whole part are the reference; a ``reader``
-(:class:`PartReader`, the compiled CPU kernels of :mod:`kvbench.kernels.cpu`) may answer a part
-instead, reading its bytes in place.
+(:class:`PartReader`: the compiled CPU kernels of :mod:`kvbench.kernels.cpu`, or Triton's on
+CUDA) may answer a part instead, reading its bytes in place.
 
 Masks: ``attention_mask`` may be transformers' boolean (True: attend) or additive float mask of shape
 ``[B or 1, 1 or H_q, q, T + q]`` over the stored tokens followed by the current ones; when given, it

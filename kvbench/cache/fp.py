@@ -7,6 +7,7 @@ import torch
 
 from kvbench.cache.growable import GrowableTokens
 from kvbench.cache.source import BlockSource
+from kvbench.kernels.part_reads import PartReads, register_reads
 
 
 class FullPrecisionSource(BlockSource):
@@ -30,6 +31,15 @@ class FullPrecisionSource(BlockSource):
     def read(self, start: int, stop: int) -> torch.Tensor:
         self._check_range(start, stop)
         return self.data[..., start:stop, :].float()
+
+
+# The compiled and Triton reads of full-precision rows: the row kernels over the tensor held.
+_ROWS_READS = PartReads(
+    scores=lambda reader, part, query: reader.rows_scores(query, part.data),
+    mix=lambda reader, part, weights: reader.rows_mix(weights, part.data),
+)
+for _backend in ("compiled", "triton"):
+    register_reads(FullPrecisionSource, _backend, _ROWS_READS)
 
 
 class FullPrecisionTokens:

@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvbench.cache.blockwise import LogitObserver, blockwise_attention_forward
 from kvbench.cache.masks import newest_causal_mask
 from kvbench.cache.source import ConcatSource, TokenSource
+from kvbench.kernels.cpu.parts import read_kernels
 
 
 @dataclass
@@ -271,10 +272,6 @@ class KVLayer(CacheLayerMixin):
             raise ValueError(
                 "kvbench attention over stored tokens supports neither softcap nor attention sinks"
             )
-        # imported here: the compiled reader dispatches on the source classes of kvbench.cache, so a
-        # module-level import would make `import kvbench.kernels.cpu.parts` a circular import
-        from kvbench.kernels.cpu.parts import read_kernels
-
         return blockwise_attention_forward(
             module,
             query,

@@ -192,13 +192,5 @@ def _rope_covers(reader, part: RoPESource) -> bool:
 
 
 _ROPE_READS = PartReads(_rope_scores, _rope_mix, _rope_covers)
-# Full-precision rows (kvbench.cache.fp.FullPrecisionSource) are registered here by their stable
-# name rather than in fp.py: fp.py imports this module, so the entry exists whenever the class does.
-# (fp.py was outside the change that made the registry; the entry can move there as it stands.)
-_ROWS_READS = PartReads(
-    scores=lambda reader, part, query: reader.rows_scores(query, part.data),
-    mix=lambda reader, part, weights: reader.rows_mix(weights, part.data),
-)
 for _backend in ("compiled", "triton"):
     register_reads(RoPESource, _backend, _ROPE_READS)
-    register_reads("kvbench.cache.fp.FullPrecisionSource", _backend, _ROWS_READS)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import difflib
 import math
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from kvbench import paths
 from kvbench.cli.nodes import search_dirs
 from kvbench.config import unknown_key
+from kvbench.env import get_logger
 from kvbench.errors import ConfigError
 
 
@@ -161,10 +161,9 @@ def check_hydra_dir(master: DictConfig, multirun: bool) -> None:
     if folder.is_dir() and not (folder / HYDRA_TRACES[key]).exists():
         entries = sum(1 for _ in folder.iterdir())
         if entries:
-            print(
-                f"kvbench: warning: {key}={value} already holds {entries} entries that Hydra did not write; "
-                "Hydra adds .hydra/ and its log beside them (an empty or new folder keeps them apart)",
-                file=sys.stderr,
+            get_logger(__name__).warning(
+                f"{key}={value} already holds {entries} entries that Hydra did not write; Hydra adds "
+                ".hydra/ and its log beside them (an empty or new folder keeps them apart)"
             )
 
 
