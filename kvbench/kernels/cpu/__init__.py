@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +27,7 @@ from types import ModuleType
 import torch
 
 from kvbench import atomic
+from kvbench.env import get_logger
 from kvbench.paths import cache_dir
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "planes.cpp", "sparse.cpp"))
@@ -64,11 +64,7 @@ def _build() -> ModuleType:
     where.mkdir(parents=True, exist_ok=True)
     name = "kvbench_cpu_attention"
     if not (where / f"{name}.so").exists():
-        print(
-            f"kvbench: building the CPU attention kernels (once, cached in {where})",
-            file=sys.stderr,
-            flush=True,
-        )
+        get_logger(__name__).info(f"building the CPU attention kernels (once, cached in {where})")
     # Compiled from a copy inside the build folder: the folder is keyed by the source's content,
     # and two checkouts with the same source would otherwise rebuild each other's build (ninja
     # records the source's path).
@@ -101,7 +97,7 @@ def _clear_stale_lock(where: Path) -> None:
     except FileNotFoundError:
         return
     if age > STALE_LOCK_S:
-        print(f"kvbench: removing a stale kernel build lock ({lock}, {age:.0f} s old)", file=sys.stderr)
+        get_logger(__name__).info(f"removing a stale kernel build lock ({lock}, {age:.0f} s old)")
         lock.unlink(missing_ok=True)
 
 
@@ -118,11 +114,8 @@ def cpu_kernels() -> ModuleType | None:
     except Exception as exc:  # noqa: BLE001 - any build failure means: run the reference
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         _state["error"] = first
-        print(
-            f"kvbench: warning: the compiled CPU kernels are unavailable ({first[:200]}); "
-            "attention runs on the torch reference",
-            file=sys.stderr,
-            flush=True,
+        get_logger(__name__).warning(
+            f"the compiled CPU kernels are unavailable ({first[:200]}); attention runs on the torch reference"
         )
     return _state["module"]
 
