@@ -44,7 +44,9 @@ def check_weight_quant(value: object) -> None:
         )
     for key in value:
         if key not in KEYS:
-            raise ConfigError(f"model.weight_quant.{key}", value[key], f"unknown key; allowed: {', '.join(KEYS)}")
+            raise ConfigError(
+                f"model.weight_quant.{key}", value[key], f"unknown key; allowed: {', '.join(KEYS)}"
+            )
     missing = [k for k in KEYS if k not in value]
     if missing:
         raise ConfigError("model.weight_quant", value, f"needs {' and '.join(missing)} as well")
@@ -53,7 +55,9 @@ def check_weight_quant(value: object) -> None:
         raise ConfigError("model.weight_quant.bits", bits, f"an integer from {BITS.start} to {BITS.stop - 1}")
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         raise ConfigError(
-            "model.weight_quant.group_size", group, "a positive integer that divides every layer's input width"
+            "model.weight_quant.group_size",
+            group,
+            "a positive integer that divides every layer's input width",
         )
 
 

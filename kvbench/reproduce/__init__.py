@@ -262,7 +262,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, help="OMP/MKL threads of each node's process")
     p.add_argument("--parallel", type=int, default=1, metavar="P", help="node processes at once (default: 1)")
-    p.add_argument("--launcher", help="hydra/launcher for every node (slurm, slurm_cpu, kvbench_local, kvbench_slurm)")
+    p.add_argument(
+        "--launcher", help="hydra/launcher for every node (slurm, slurm_cpu, kvbench_local, kvbench_slurm)"
+    )
     p.add_argument(
         "--override", action="append", metavar="KEY=VALUE", help="Hydra override for every node (repeatable)"
     )
