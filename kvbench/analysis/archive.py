@@ -323,7 +323,8 @@ def add_runs(new: pd.DataFrame, old: pd.DataFrame | None) -> pd.DataFrame:
     replaced = set(new["folder"]) if "folder" in new else set()
     kept = old[~old["folder"].isin(replaced)] if "folder" in old else old
     frame = pd.concat([kept, new], ignore_index=True, sort=False)
-    key = ["task", "model", "experiment"]
+    # load_frame's unit of labelling: (task, model, experiment, task variant, label)
+    key = [k for k in ("task", "model", "experiment", "variant") if k in frame]
     runs: dict[Any, dict[str, Any]] = {}
     for folder, rows in frame.groupby("folder", sort=True):
         first = rows.iloc[0]
@@ -336,23 +337,33 @@ def add_runs(new: pd.DataFrame, old: pd.DataFrame | None) -> pd.DataFrame:
             "unit": tuple(str(first[k]) for k in key),
             "base": base,
             "method_flat": flat,
+            "seed": first["seed"],
             "n_rows": len(rows),
-            "mtime": 0,
+            "mtime": int(folder in replaced),  # a new run before a stored one of the same size
             "folder": folder,
         }
     labels: dict[Any, str] = {}
+    superseded: set[str] = set()
     by_group: dict[tuple, list[dict[str, Any]]] = {}
     for run in runs.values():
         by_group.setdefault((*run["unit"], run["base"]), []).append(run)
     for (*_, base), members in by_group.items():
         clusters = _cluster(members, "method_flat")
         for cluster, suffix in zip(clusters, _differences(clusters, "method_flat", "method."), strict=True):
+            seen_seeds: set[Any] = set()
             for run in cluster:
+                # one run per configuration and seed, the fullest and newest, as load_frame keeps
+                if run["seed"] in seen_seeds:
+                    superseded.add(run["folder"])
+                seen_seeds.add(run["seed"])
                 labels[run["folder"]] = base + (f"[{suffix}]" if suffix else "")
+    frame = frame[~frame["folder"].isin(superseded)].copy()
     frame["method"] = [labels.get(f, m) for f, m in zip(frame["folder"], frame["method"], strict=True)]
     frame = frame.sort_values(_ROW_ORDER, kind="stable").reset_index(drop=True)
     frame.attrs = {
-        "superseded": sorted(set(old.attrs.get("superseded", [])) | set(new.attrs.get("superseded", []))),
+        "superseded": sorted(
+            set(old.attrs.get("superseded", [])) | set(new.attrs.get("superseded", [])) | superseded
+        ),
         "duplicate_rows": {**old.attrs.get("duplicate_rows", {}), **new.attrs.get("duplicate_rows", {})},
     }
     return frame

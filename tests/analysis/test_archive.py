@@ -318,6 +318,19 @@ def test_adding_runs_to_an_archive_gives_the_archive_of_all_runs(tmp_path):
     assert (results / "synthetic_cliff" / ARCHIVE).read_bytes() == joint
     assert report.main(["--add", "--results", str(results)]) == 2  # --add means nothing alone
 
+    # a rerun of a stored configuration and seed into another folder supersedes the stored run
+    fp16 = sorted((stored / "niah" / "tiny" / "fp16").iterdir())[0]
+    rerun = tmp_path / "rerun" / "niah" / "tiny" / "fp16" / (fp16.name + "again")
+    shutil.copytree(fp16, rerun)
+    before = read_archive(results / "synthetic_cliff")
+    write_archives(tmp_path / "rerun", results, add=True)
+    after = read_archive(results / "synthetic_cliff")
+    assert len(after) == len(before)
+    assert set(after["folder"]) == set(before["folder"]) - {str(fp16.relative_to(stored))} | {
+        str(rerun.relative_to(tmp_path / "rerun"))
+    }
+    assert str(fp16.relative_to(stored)) in after.attrs["superseded"]
+
     replaced = tmp_path / "replaced"
     write_archives(stored, replaced)
     write_archives(added, replaced)
