@@ -273,3 +273,23 @@ def read_documents(
     if suffix == ".parquet":
         return _parquet_documents(path, field, limit, key, field_key)
     return _json_line_documents(path, field, limit, key, field_key)
+
+
+# (tokenizer, text) -> token ids, newest last: a node's jobs run in one process on one kept
+# tokenizer (kvbench.builder), and each builds its task afresh, which would tokenize the same corpus
+# again (0.2 s for WikiText-2, per job). Few entries: a process reads one or two corpora.
+_ENCODED: list[tuple[Any, str, list[int]]] = []
+_ENCODED_MAX = 4
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=False)``, once per process for the same tokenizer
+    object and text. The list is shared between callers: slice it, never change it in place."""
+    for i, (tok, seen, ids) in enumerate(_ENCODED):
+        if tok is tokenizer and seen == text:
+            _ENCODED.append(_ENCODED.pop(i))
+            return ids
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    _ENCODED.append((tokenizer, text, ids))
+    del _ENCODED[:-_ENCODED_MAX]
+    return ids

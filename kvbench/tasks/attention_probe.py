@@ -58,6 +58,7 @@ from kvbench.cache import memory_report
 from kvbench.cache.capture import AttentionRecord, capture_attention, replay
 from kvbench.cache.prefill import SHARED_PREFILLS, token_digest
 from kvbench.config import check_choice, is_int, require
+from kvbench.data import encode_text
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import Metric, Task, TaskConfig, Work, limited, register_task
 from kvbench.tasks.perplexity import data_file, load_text
@@ -212,7 +213,7 @@ class AttentionProbe(Task):
         """The text tokenized once per tokenizer, without special tokens."""
         if self._ids is None or self._ids[0] is not tokenizer:
             text = load_text(self.data_root, self.config.dataset, self.config.pg19_book)
-            self._ids = (tokenizer, tokenizer.encode(text, add_special_tokens=False))
+            self._ids = (tokenizer, encode_text(tokenizer, text))
         return self._ids[1]
 
     @staticmethod

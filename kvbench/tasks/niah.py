@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from kvbench.config import check_choice, inert, require
-from kvbench.data import missing_file, read_text
+from kvbench.data import encode_text, missing_file, read_text
 from kvbench.errors import ConfigError
 from kvbench.tasks.base import (
     GENERATION_ROW_DTYPES,
@@ -310,10 +310,10 @@ class NIAH(Task):
         if self._haystack is None or self._haystack[0] is not tokenizer or len(self._haystack[1]) < n:
             essays = load_haystack(self.data_root, self.haystack_seed())
             text = essays
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = encode_text(tokenizer, text)
             while len(ids) < n:
                 text = f"{text}\n\n{essays}"
-                ids = tokenizer.encode(text, add_special_tokens=False)
+                ids = encode_text(tokenizer, text)
             self._haystack = (tokenizer, ids)
         return self._haystack[1]
 

@@ -81,6 +81,7 @@ from kvbench.data import (
     CORPUS_SUFFIXES,
     RECORD_SUFFIXES,
     corpus_suffix,
+    encode_text,
     file_record,
     missing_file,
     read_documents,
@@ -460,7 +461,7 @@ class Perplexity(Task):
         """The text tokenized once per tokenizer, without special tokens, from ``offset`` on."""
         if self._ids is None or self._ids[0] is not tokenizer:
             unit, count = self.offset
-            ids = tokenizer.encode(self._text_from_offset(), add_special_tokens=False)
+            ids = encode_text(tokenizer, self._text_from_offset())
             if unit == "tokens" and count:
                 if count >= len(ids):
                     raise ConfigError(

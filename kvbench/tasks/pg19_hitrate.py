@@ -64,6 +64,7 @@ import torch
 
 from kvbench.cache.capture import capture_attention, replay
 from kvbench.config import check_choice, is_int, is_number, require
+from kvbench.data import encode_text
 from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape, build_method
 from kvbench.quant.affine import ZERO_POINTS, levels_for_bits
@@ -429,7 +430,7 @@ class PG19HitRate(Task):
     def token_ids(self, tokenizer) -> list[int]:
         if self._ids is None or self._ids[0] is not tokenizer:
             text = load_text(self.data_root, "pg19", self.config.pg19_book)
-            self._ids = (tokenizer, tokenizer.encode(text, add_special_tokens=False))
+            self._ids = (tokenizer, encode_text(tokenizer, text))
         return self._ids[1]
 
     def window(self, tokenizer, i: int) -> list[int]:
