@@ -341,23 +341,25 @@ def build_logger(node: dict[str, Any] | None) -> NullLogger | WandbLogger:
 def log_run(run: RunSpec | Mapping[str, Any], metrics: dict[str, Any]) -> None:
     """Log a finished run (its resolved config and ``metrics.json`` content) to the logger its
     config names; called by ``kvbench.run.execute`` with the run's :class:`kvbench.spec.RunSpec`
-    after the run folder is written, so a logger failure can never lose a result. A plain config
-    (a script's, outside a run) has its ``logger`` node validated here."""
+    after the run folder is written, so a logger failure can never lose a result. A spec gives its
+    typed logger config, its group and the config its logger run holds (``RunSpec.record.logged``),
+    and nothing is read out of its plain config. A plain config (a script's, outside a run) is this
+    function's own entry: its ``logger`` node is validated and its group named here."""
     if isinstance(run, Mapping):
         cfg = build_config(LoggerConfig, dict(run.get("logger") or {}), "logger")
-        config, group = dict(run), experiment_group(run, metrics.get("task"))
+        logged = {k: v for k, v in run.items() if k != "logger"}
+        _log(cfg, logged, experiment_group(run, metrics.get("task")), metrics)
     else:
-        cfg, config, group = run.logger, run.config, run.experiment_group
+        _log(run.logger, run.record.logged, run.experiment_group, metrics)
+
+
+def _log(cfg: LoggerConfig, logged: dict[str, Any], group: str, metrics: dict[str, Any]) -> None:
+    """:func:`log_run`, given the logger's config, the config its run holds and its group."""
     if cfg.name != "wandb":
         return
     logger = WandbLogger(cfg)
     name = "/".join(str(metrics.get(k)) for k in ("task", "model", "method")) + f"/seed{metrics.get('seed')}"
-    logger.start(
-        {k: v for k, v in config.items() if k != "logger"},
-        name=name,
-        group=group,
-        run_id=metrics.get("run_id"),
-    )
+    logger.start(logged, name=name, group=group, run_id=metrics.get("run_id"))
     logger.log_run(metrics)
     logger.finish()
 

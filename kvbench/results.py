@@ -22,8 +22,9 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from kvbench import atomic
-from kvbench.config import inert_defaults, require, run_id_excluded
+from kvbench.config import build_config, inert_defaults, require, run_id_excluded
 from kvbench.env import get_logger
+from kvbench.errors import ConfigError
 
 log = get_logger(__name__)
 
@@ -108,8 +109,6 @@ def _packs_base_l(node: Any, config: Any = None) -> bool:
     ``config``: the node's validated config, when the caller built it already (the node here has
     lost its inert defaults and reads ``backend=torch`` for ``auto``, neither of which changes the
     levels a valid config stores)."""
-    from kvbench.config import build_config
-    from kvbench.errors import ConfigError
     from kvbench.methods import METHODS
     from kvbench.quant.packing import is_bit_packed
 
@@ -420,8 +419,6 @@ class AnalysisPlan:
 
 def analysis_plan(node: Any) -> AnalysisPlan:
     """Validated :class:`AnalysisPlan` from an ``analysis`` node (a dict or an OmegaConf node)."""
-    from kvbench.config import build_config
-
     return build_config(AnalysisPlan, node, "analysis")
 
 

@@ -16,7 +16,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -171,8 +171,9 @@ class RunPlan:
     samples: list[dict[str, Any]]
     model_checked: bool
 
-    # the spec's parts, under the names a plan has always had
-    config = property(lambda self: self.spec.config)
+    # the spec's parts, under the names a plan has always had; ``config`` is the plain config the
+    # run id hashed (RunSpec.record), for a reader outside the run: nothing here reads it
+    config = property(lambda self: self.spec.record.config)
     run = property(lambda self: self.spec.run)
     model = property(lambda self: self.spec.model)
     method = property(lambda self: self.spec.method)
@@ -194,6 +195,14 @@ def check_conversion(model_cfg: Any) -> None:
         gguf.check_gguf(model_cfg)
 
 
+def samples_key(spec: RunSpec) -> str:
+    """What decides a run's samples and the task's checks against the model: the task (its name and
+    validated config), the model's validated config, the data root and the seed. Typed configs: two
+    nodes that build the same objects are one key."""
+    task = [spec.task.registered_name, asdict(spec.task.config)]
+    return canonical_json([task, asdict(spec.model), str(spec.data_root), spec.seed])
+
+
 def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
     """Check a configuration (a :class:`~kvbench.spec.RunSpec`, or a Hydra DictConfig or plain dict
     made into one) against the data and the model's files; raise ConfigError on the first problem.
@@ -203,9 +212,7 @@ def plan_run(cfg: Any, checked_tasks: dict[str, list] | None = None) -> RunPlan:
     from kvbench.models import peek_model
 
     spec = RunSpec.from_config(cfg)
-    task_key = canonical_json(
-        [spec.config.get("task"), spec.config.get("model"), str(spec.data_root), spec.run.seed]
-    )
+    task_key = samples_key(spec)
     known = (checked_tasks or {}).get(task_key)
     samples = known if known is not None else spec.task.samples()  # fails on missing or unreadable data
     check_conversion(spec.model)
@@ -256,12 +263,12 @@ def execute(cfg: Any, progress: bool = True) -> dict[str, Any]:
 def _execute_in(folder: RunFolder, plan: RunPlan, progress: bool) -> dict[str, Any]:
     """The run of :func:`execute` inside its folder."""
     spec = plan.spec
-    config, run_cfg, model_cfg, method, task = spec.config, spec.run, spec.model, spec.method, spec.task
+    run_cfg, model_cfg, method, task = spec.run, spec.model, spec.method, spec.task
     samples, rid = plan.samples, spec.run_id
     # One process per run folder: a parallel sweep (Slurm array, submitit) can map several points
     # to one folder (fp16 ignores bits); the second waits, then resumes and finds nothing to do.
     with folder.lock():
-        folder.write_config({**config, "run_id": rid})
+        folder.write_config(spec.record.config_json)
         ids = {s["id"] for s in samples}
         if run_cfg.output.resume:
             done = {r["sample_id"]: r for r in folder.resume_rows(ids)}
@@ -330,7 +337,7 @@ def _execute_in(folder: RunFolder, plan: RunPlan, progress: bool) -> dict[str, A
             "model": model_cfg.name,
             "model_note": model_cfg.weights_note,
             "method": method.label(),
-            "method_config": config.get("method") or {"name": "fp16"},
+            "method_config": spec.record.method_config,
             "seed": run_cfg.seed,
             "primary_metric": task.primary_metric,
             "metrics": task.aggregate(rows),

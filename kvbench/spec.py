@@ -8,8 +8,12 @@ the run id and the run's folder. Everything below the entry (:mod:`kvbench.run`,
 the logger) reads those objects and never converts a config node again: a config travels as one
 typed object, so a check runs once and a run's id cannot drift between two readings of its config.
 
-The resolved plain config is kept beside them (:attr:`RunSpec.config`): it is what ``config.json``
-holds and the run id hashes (:func:`kvbench.results.run_id`), byte for byte as before.
+The resolved plain config has two uses, both at the entry: the run id hashes it
+(:func:`kvbench.results.run_id`) and the run writes it. Both are done here, once: the spec holds the
+run id and, in :attr:`RunSpec.record` (:class:`RunRecord`), the plain forms the run writes
+(``config.json``, ``metrics.json``'s ``method_config``, the logger's run config), byte for byte as
+before. Nothing below the entry reads a key out of the plain config: run ids, folders, resume, the
+logger and the samples' cache key all take the typed objects.
 
 Building a spec reads the environment and checks that the output root can be written and the data
 root exists (a task is built on its data root), but loads no data, model file or weights:
@@ -137,7 +141,7 @@ def run_config(cfg: Any) -> dict[str, Any]:
     """The plain config a run writes to config.json and hashes into its run id: ``cfg`` (a Hydra
     DictConfig or a dict) resolved, with the top-level ``bits`` in the method node's bits knob where
     the node leaves it unset (:func:`kvbench.methods.base.with_run_bits`). For code that needs a
-    run's id or folder without a run (:mod:`kvbench.reproduce`); a run reads :attr:`RunSpec.config`."""
+    run's id or folder without a run (:mod:`kvbench.reproduce`); a run's is in :attr:`RunSpec.record`."""
     return _filled(to_plain(cfg))  # a copy: the caller's dict keeps its node as given
 
 
@@ -187,15 +191,42 @@ def run_folder(root: str, task: str, model: str, method: str, seed: int, rid: st
 
 
 @dataclass(frozen=True)
+class RunRecord:
+    """The run's resolved plain config in the forms a run writes, each made once at the entry
+    (:meth:`of`) so that nothing below it reads a key out of the plain config. Written as they are,
+    never read back or changed.
+
+    ``config``: the resolved plain config with the run's ``bits`` in the method node: what the run
+    id hashes (:func:`kvbench.results.run_id`, at the entry). ``config_json``: what the run folder's
+    ``config.json`` holds, ``config`` and the ``run_id``. ``method_config``: the method node as
+    ``metrics.json`` records it (``{"name": "fp16"}`` for the FP16 baseline). ``logged``: the
+    config the logger's run holds, ``config`` without the ``logger`` node."""
+
+    config: dict[str, Any]
+    config_json: dict[str, Any]
+    method_config: dict[str, Any]
+    logged: dict[str, Any]
+
+    @classmethod
+    def of(cls, config: dict[str, Any], rid: str) -> RunRecord:
+        """The record of ``config`` (as :func:`run_config` makes it) whose run id is ``rid``."""
+        return cls(
+            config=config,
+            config_json={**config, "run_id": rid},
+            method_config=config.get("method") or {"name": "fp16"},
+            logged={k: v for k, v in config.items() if k != "logger"},
+        )
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """A run's configuration as validated objects, built once at the entry (:meth:`from_config`).
 
-    ``config``: the resolved plain config with the run's ``bits`` in the method node, what
-    ``config.json`` holds (beside ``run_id``) and the run id hashes; read it, never change it.
-    ``warnings``: what the configuration alone says will be wasted (``bits`` ignored, a method
-    setting that the prompt lengths defeat), keyed by kind."""
+    ``record``: the plain config in the forms the run writes (:class:`RunRecord`); the code below
+    the entry writes them and reads nothing out of them. ``warnings``: what the configuration alone
+    says will be wasted (``bits`` ignored, a method setting that the prompt lengths defeat), keyed
+    by kind."""
 
-    config: dict[str, Any]
     run: RunConfig
     model: ModelConfig
     method: Method
@@ -206,6 +237,7 @@ class RunSpec:
     run_id: str
     folder: Path
     warnings: dict[str, str]
+    record: RunRecord
 
     @property
     def seed(self) -> int:
@@ -250,4 +282,16 @@ class RunSpec:
             run_cfg.output.root, task.registered_name, model.name, method.label(), run_cfg.seed, rid
         )
         warnings = {**method.config.context_warnings(task.prompt_lengths()), **bits_ignored(given, method)}
-        return cls(config, run_cfg, model, method, task, logger, analysis, data_root, rid, folder, warnings)
+        return cls(
+            run_cfg,
+            model,
+            method,
+            task,
+            logger,
+            analysis,
+            data_root,
+            rid,
+            folder,
+            warnings,
+            RunRecord.of(config, rid),
+        )
