@@ -209,7 +209,8 @@ class ModelRunner:
         shared (:mod:`kvbench.cache.prefill`): the first request for these tokens on this model in
         the process runs the model and is recorded, and every later one, of any declaring method,
         hands the record to its cache instead of running the model again. Either way the cache
-        holds the same bytes and the logits are the same."""
+        holds the same bytes and the logits are the same. A prefill that is not shared is the
+        method's :meth:`Method.prefill_forward` (one forward, unless the method runs it itself)."""
         all_rows = self.method.needs_prefill_logits()
         rows = 0 if all_rows else min(input_ids.shape[1], PREFILL_LOGIT_ROWS)
         store = SHARED_PREFILLS
@@ -221,7 +222,8 @@ class ModelRunner:
             and store.enabled
         )
         if not share:
-            return self.forward(input_ids, cache, logits_to_keep=rows)
+            # one forward, unless the method runs its prefill itself (Method.drives_prefill)
+            return self.method.prefill_forward(self, input_ids, cache, rows)
         key = ("prefill", token_digest(input_ids), rows)
         record = store.get(self.model, key)
         if record is not None:
@@ -407,6 +409,11 @@ class ModelRunner:
         padded batch)."""
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={prefill!r}: one of {', '.join(PREFILL_MODES)}")
+        if prefill == "batch" and self.method.drives_prefill():
+            raise ValueError(
+                f"prefill='batch': {self.method.label()} runs each prompt's prefill itself "
+                "(Method.drives_prefill), not as one padded forward; use prefill='alone'"
+            )
         stops = self.eos_ids | set(stop_token_ids)
         self.method.new_request(max_new_tokens - 1)
         t0 = time.perf_counter()

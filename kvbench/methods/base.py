@@ -246,6 +246,25 @@ class Method:
         runner otherwise computes only the last positions'). Default: no."""
         return False
 
+    def drives_prefill(self) -> bool:
+        """Whether this configuration runs a prompt's prefill itself (:meth:`prefill_forward`), as
+        something other than one forward of the model over the prompt; such a prefill is never
+        shared and cannot be one left-padded forward of several prompts
+        (:meth:`kvbench.generate.ModelRunner.generate_batch` refuses ``prefill="batch"``).
+        Default: no."""
+        return False
+
+    def prefill_forward(
+        self, runner, input_ids: torch.Tensor, cache: KVBenchCache, logits_to_keep: int
+    ) -> torch.Tensor:
+        """A prompt's prefill that is not shared (:meth:`kvbench.generate.ModelRunner.prefill`):
+        ``input_ids [B, T]`` into the fresh ``cache``; returns float32 logits of the last
+        ``logits_to_keep`` positions (0: all T), ``[B, r, vocab]``. It must go through
+        ``runner.forward`` for every forward it makes. Default: one forward over the prompt; a
+        method whose :meth:`drives_prefill` is True replaces it (IntactKV with
+        ``pivot=full_precision``: the pivot tokens under the weights as loaded, then the rest)."""
+        return runner.forward(input_ids, cache, logits_to_keep=logits_to_keep)
+
     def prefilled_alone(self, cache: KVBenchCache) -> None:
         """Called after a sequence of a batch was prefilled on its own into ``cache``
         (:meth:`kvbench.generate.ModelRunner.prefill_alone`), before the next sequence's prefill:

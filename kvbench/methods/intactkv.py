@@ -3,13 +3,53 @@ Keeping Pivot Tokens Intact", Findings of ACL 2024), for KV-cache quantization.
 
 The first tokens of the input ([BOS], and in chat models the system prompt) are pivot tokens: they
 draw most of the attention (attention sinks) and their keys and values carry outliers far larger
-than other tokens'. IntactKV keeps their KV lossless and quantizes the rest: with weights left in
-full precision, as here, the KV the model computes for them is already the lossless IntactKV, so
-the method is "the first ``tokens`` entries in FP16, every later token through ``base``".
+than other tokens'. IntactKV keeps their KV lossless and quantizes the rest: the first ``tokens``
+entries of every layer's cache are held in ``fp_dtype``, every later token goes through ``base``.
 ``tokens=1`` is IntactKV_[B]; IntactKV_[P] sets ``tokens`` to the system prompt's token count.
-(The paper's optional calibration of the cached pivot KV, a training step, is not implemented.)
 
-The same mechanism is the ``sink_tokens`` option every method has; this node names it as a method
+Where the pivot KV comes from (``pivot``):
+
+- ``model`` (the default; every run made before the option): the pivot tokens' KV as the model at
+  hand computes it. With weights in full precision that already is the paper's lossless IntactKV.
+  On a weight-quantized model (``model.weight_quant``) it is the KV-cache analogue of the paper:
+  the weight-quantized model's own pivot KV, kept unquantized.
+- ``full_precision``: the paper's IntactKV on a weight-quantized model (its § "pivot tokens" and
+  Table 1: "先使用全精度模型生成关键词元的无损 KV 并将其缓存下来", the full-precision model generates
+  the pivot tokens' lossless KV, which is cached and handed to the quantized model). With ``w`` the
+  weights as loaded, ``ŵ`` their RTN values (:mod:`kvbench.models.weight_quant`), a prompt
+  ``x_1..x_T`` and ``p = min(tokens, T - 1)`` pivot tokens, the prefill is two forwards into the
+  same cache:
+
+      (K_l[1:p], V_l[1:p]) = KV_l(w; x_1..x_p)                          every layer l, weights w
+      h_t = f(ŵ; x_t | K[1:p], V[1:p], K[p+1:t], V[p+1:t]),  t = p+1..T   weights ŵ
+
+  so every later token is computed by the quantized model attending over the full-precision
+  model's pivot KV (read from the cache, held in ``fp_dtype``) and its own KV; decoding is the
+  quantized model's throughout. The cache stores the same layout as under ``model``: the pivot
+  entries in ``fp_dtype``, the rest through ``base`` (which makes this the paper's mixed-precision
+  use with KV-cache quantization, its Fig. 4, with ``base`` a quantizer, and its Table 1 setting,
+  an unquantized cache, with ``base: {name: fp16}``). ``p`` stops one token short of the prompt
+  so that the logits of its last token (what the first generated or scored token is predicted
+  from) are always the quantized model's; a prompt of ``tokens`` tokens or fewer therefore has
+  fewer full-precision pivot entries, and the rest of the sink is filled by the quantized model,
+  as under ``model``. The full-precision weights come from the copy ``model.weight_quant`` keeps
+  (:func:`kvbench.models.weight_quant.loaded_weights`), swapped in for the pivot forward only;
+  the paper computes IntactKV once for a common prefix and frees the full-precision model, which
+  gives the same KV wherever the pivot tokens are the same prefix.
+
+  A model without ``model.weight_quant`` is refused (ConfigError on ``method.pivot``, when the
+  method is prepared on the loaded model): its weights are the full-precision ones, so the run
+  would be the ``model`` run under another id. The prefill is the method's own
+  (:meth:`~kvbench.methods.Method.drives_prefill`): never shared with other arms, and one prompt
+  per prefill (a padded batched prefill is refused). It is honoured wherever a prompt is
+  prefilled through :meth:`kvbench.generate.ModelRunner.prefill` (generation, perplexity and
+  lm-eval scoring); probe tasks that run a forward of their own (attention captures) do not
+  prefill through the method.
+
+The paper's optional calibration of the cached pivot KV (a training step minimising
+``1/2 sum_l ||f_l(w, x) - f_l(ŵ, x; Θ)||^2`` over the IntactKV ``Θ``) is not implemented.
+
+The same storage is the ``sink_tokens`` option every method has; this node names it as a method
 of its own so it appears as one in sweeps and tables: ``base`` is any method's node, and ``bits``
 is passed to it unless it sets its own.
 """
@@ -19,8 +59,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvbench.config import require
+import torch
+
+from kvbench.cache.batch import SequenceBatchCache
+from kvbench.config import check_choice, inert, require
+from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, build_method, register_method
+from kvbench.models.weight_quant import LoadedWeights, loaded_weights
+
+# Where the pivot tokens' KV comes from (module docstring).
+PIVOTS = ("model", "full_precision")
 
 
 @dataclass
@@ -28,6 +76,8 @@ class IntactKVConfig(MethodConfig):
     name: str = "intactkv"
     tokens: int = 1
     base: dict[str, Any] = field(default_factory=lambda: {"name": "kivi"})
+    # inert: the runs made before the option computed the pivot KV with the model at hand
+    pivot: str = inert("model")
 
     default_bits: ClassVar[float] = 2.0
 
@@ -45,6 +95,7 @@ class IntactKVConfig(MethodConfig):
             self.base.get("name"),
             "the node of another method (e.g. kivi, uniform)",
         )
+        check_choice("method.pivot", self.pivot, PIVOTS)
         # the sliding-window rule is the wrapper's: the runner reads it from this config
         # the backend too (unless the base sets its own): the base's layers are the ones that store
         # and read, and a base that does not implement it refuses it here
@@ -73,20 +124,74 @@ class IntactKV(Method):
     arm_batch = True  # where its base's does (kvbench.generate.joins_arm_batch)
     stack_rows = True
     Config = IntactKVConfig
-    fp16_prefill = True  # as its base's is (prefill_is_fp16)
+    fp16_prefill = True  # as its base's is (prefill_is_fp16), with pivot=model
+
+    def __init__(self, config: IntactKVConfig):
+        super().__init__(config)
+        self.weights: LoadedWeights | None = None  # pivot=full_precision: the weights as loaded
 
     def new_cache(self, shape, model_dtype):
         return self.config.base_method.new_cache(shape, model_dtype)
 
-    # the cache is the base method's: so is the prefill
+    # the cache is the base method's: so is the prefill, unless the pivot KV is the full-precision
+    # model's (then the prefill is two forwards of its own)
     def prefill_is_fp16(self) -> bool:
-        return self.config.base_method.prefill_is_fp16()
+        return not self.drives_prefill() and self.config.base_method.prefill_is_fp16()
 
     def needs_prefill_logits(self) -> bool:
         return self.config.base_method.needs_prefill_logits()
 
+    def drives_prefill(self) -> bool:
+        return self.config.pivot == "full_precision"
+
+    def prepare(self, model, tokenizer, shape, data_root) -> None:
+        if self.config.pivot != "full_precision":
+            return
+        self.weights = loaded_weights(model)
+        if self.weights is None:
+            raise ConfigError(
+                "method.pivot",
+                self.config.pivot,
+                "full_precision only on a weight-quantized model (model.weight_quant set): this "
+                "model's weights are already the full-precision ones, so its pivot KV is the "
+                "model's own; use pivot=model (the default), or set model.weight_quant "
+                f"(allowed: {', '.join(PIVOTS)})",
+            )
+
+    def release(self) -> None:
+        self.weights = None
+
+    def prefill_forward(self, runner, input_ids, cache, logits_to_keep):
+        """``pivot=full_precision``: the first ``p = min(tokens, T - 1)`` prompt tokens under the
+        weights as loaded, then the rest under the quantized weights over the cache they left
+        (module docstring). The logits are those one forward would return: the last
+        ``logits_to_keep`` positions (0: all), the pivot forward's for positions before the rest."""
+        if not self.drives_prefill():
+            return super().prefill_forward(runner, input_ids, cache, logits_to_keep)
+        if self.weights is None:
+            raise RuntimeError("intactkv with pivot=full_precision: prepare() has not run on the model")
+        if isinstance(cache, SequenceBatchCache):
+            raise ValueError("intactkv with pivot=full_precision prefills one prompt (or equal rows) a call")
+        total = input_ids.shape[1]
+        pivot = min(self.config.tokens, total - 1)
+        if pivot < 1:  # a one-token prompt: nothing before its last token
+            return super().prefill_forward(runner, input_ids, cache, logits_to_keep)
+        rest = total - pivot
+        # rows of each forward's logits (0: all); the pivot forward's are needed only where more
+        # rows are asked for than the rest has (else one row is computed and dropped)
+        from_pivot = 0 if logits_to_keep == 0 else max(logits_to_keep - rest, 0)
+        keep_head = 0 if logits_to_keep == 0 else max(from_pivot, 1)
+        keep_tail = 0 if logits_to_keep == 0 else min(logits_to_keep, rest)
+        with self.weights.swapped_in():
+            head = runner.forward(input_ids[:, :pivot], cache, logits_to_keep=keep_head)
+        tail = runner.forward(input_ids[:, pivot:], cache, logits_to_keep=keep_tail)
+        if logits_to_keep == 0 or from_pivot:
+            return torch.cat([head, tail], dim=1)
+        return tail
+
     def base_label(self) -> str:
-        return f"intactkv{self.config.tokens}-{self.config.base_method.base_label()}"
+        pivot = "fp" if self.config.pivot == "full_precision" else ""
+        return f"intactkv{self.config.tokens}{pivot}-{self.config.base_method.base_label()}"
 
     def label(self) -> str:
         return self.base_label()

@@ -18,9 +18,19 @@ A constant group (``max == min``) has no range to quantize and is kept as it is 
 ``w``). The arithmetic runs in float32 and ``w'`` is stored back in the weight's dtype: the model
 computes with ``w'`` exactly as a dequantize-then-matmul kernel would (fake quantization: the bytes
 held stay those of the loaded dtype; nothing here saves memory).
+
+The weights as loaded are kept beside the quantized ones (:class:`LoadedWeights`, found with
+:func:`loaded_weights`): a method that needs the full-precision model next to the quantized one
+(IntactKV as its paper runs it: the pivot tokens' KV computed by the full-precision model,
+:mod:`kvbench.methods.intactkv`) swaps them in for one forward and back. This holds the block
+linears twice (135M model: about 0.4 GB more in float32; a 7-8B model: its block weights again, on
+their device); nothing reads the kept copy unless a method asks for it.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -110,11 +120,45 @@ def _block_list(model: torch.nn.Module) -> torch.nn.ModuleList:
     return max(lists, key=len)
 
 
+# The attribute of a fake-quantized model that holds its weights as loaded (a LoadedWeights).
+LOADED_WEIGHTS_ATTR = "_kvbench_loaded_weights"
+
+
+class LoadedWeights:
+    """The block linears :func:`fake_quantize_model` quantized, each with its weight as loaded
+    (a copy, on the weight's device, in its dtype)."""
+
+    def __init__(self, kept: list[tuple[torch.nn.Linear, torch.Tensor]]):
+        self.kept = kept
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """Inside: every quantized linear computes with its weight as loaded (the parameter's data
+        is pointed at the kept copy; nothing is copied). On leaving, by any exit, each parameter
+        points at its quantized data again, so the model outside is exactly the quantized one."""
+        swapped: list[tuple[torch.nn.Linear, torch.Tensor]] = []
+        try:
+            for module, original in self.kept:
+                swapped.append((module, module.weight.data))
+                module.weight.data = original
+            yield
+        finally:
+            for module, quantized in swapped:
+                module.weight.data = quantized
+
+
+def loaded_weights(model: torch.nn.Module) -> LoadedWeights | None:
+    """The weights as loaded of a model that :func:`fake_quantize_model` quantized; None for a model
+    with its weights as loaded (no ``model.weight_quant``)."""
+    return getattr(model, LOADED_WEIGHTS_ATTR, None)
+
+
 @torch.no_grad()
 def fake_quantize_model(model: torch.nn.Module, value: dict[str, int] | None) -> int:
     """Replace every block linear's weight of ``model`` by its RTN value (``value``: the checked
     ``model.weight_quant``; None does nothing). Every layer's input width is checked against
-    ``group_size`` before any weight changes. Returns the number of layers quantized."""
+    ``group_size`` before any weight changes. The weights as loaded are kept on the model
+    (:func:`loaded_weights`). Returns the number of layers quantized."""
     if value is None:
         return 0
     bits, group = value["bits"], value["group_size"]
@@ -130,6 +174,9 @@ def fake_quantize_model(model: torch.nn.Module, value: dict[str, int] | None) ->
             f"{', '.join(map(str, bad))} is not divisible by it"
             + (f" (e.g. {', '.join(map(str, fits))})" if fits else ""),
         )
+    kept = []
     for _, module in linears:
+        kept.append((module, module.weight.detach().clone()))
         module.weight.copy_(rtn_fake_quantize(module.weight, bits, group))
+    setattr(model, LOADED_WEIGHTS_ATTR, LoadedWeights(kept))
     return len(linears)
