@@ -30,12 +30,20 @@ every query of this one; the new tokens keep the model's own mask among themselv
 some earlier token (left padding) cannot be mapped without holding positions and is refused.
 Sliding-window layers never get here: in every method they hold their window in full precision
 (:mod:`kvbench.cache.sliding`), and eviction applies to the full-attention layers only.
+
+Shared prefills (opt-in, for measurements). An instrument that replays one layer's captured tensors
+through several caches that differ only in their budget (the hit-rate task) has every cache compute
+the same prompt attention. Inside :func:`shared_prefill`, a policy that routes its first forward
+through :func:`remembered_prefill` computes it once and hands later caches a copy of the same
+result; outside it (every run) the computation happens as before, every time.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -135,6 +143,75 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     token, so a selection never depends on the sort implementation."""
     order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices
     return order[..., :k]
+
+
+class PrefillMemo:
+    """The last prefill computed inside a :func:`shared_prefill` block: what it was computed from and
+    its result. ``computed``/``reused`` count the misses and hits."""
+
+    def __init__(self):
+        self.entry: tuple | None = None  # (tag, scaling, inputs, mask, held inputs, result)
+        self.computed = 0
+        self.reused = 0
+
+
+_MEMO: contextvars.ContextVar[PrefillMemo | None] = contextvars.ContextVar("kvbench_prefill", default=None)
+
+
+@contextmanager
+def shared_prefill() -> Iterator[PrefillMemo]:
+    """Inside the block, :func:`remembered_prefill` reuses the result of a computation on the very
+    same tensors. It holds one result (the last) and its inputs; it is dropped at the end."""
+    memo = PrefillMemo()
+    token = _MEMO.set(memo)
+    try:
+        yield memo
+    finally:
+        _MEMO.reset(token)
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    # same memory, same layout, not written since (views share their base's version counter)
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
+
+
+def remembered_prefill(
+    tag,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    compute: Callable[[], tuple[torch.Tensor, ...]],
+) -> tuple[torch.Tensor, ...]:
+    """``compute()``, or inside :func:`shared_prefill` a copy of its result when the last call had the
+    same ``tag`` (what else the computation depends on, e.g. the policy and its query chunk),
+    ``scaling``, the same ``query``/``keys``/``values`` tensors (identity: storage, layout and
+    version, not values) and an equal ``mask``. Outside the block: ``compute()``."""
+    memo = _MEMO.get()
+    if memo is None:
+        return compute()
+    inputs = (_identity(query), _identity(keys), _identity(values))
+    if memo.entry is not None:
+        e_tag, e_scaling, e_inputs, e_mask, _held, result = memo.entry
+        same_mask = (e_mask is None and mask is None) or (
+            e_mask is not None
+            and mask is not None
+            and e_mask.shape == mask.shape
+            and e_mask.dtype == mask.dtype
+            and e_mask.device == mask.device
+            and torch.equal(e_mask, mask)
+        )
+        if e_tag == tag and e_scaling == scaling and e_inputs == inputs and same_mask:
+            memo.reused += 1
+            return tuple(t.clone() for t in result)
+    result = compute()
+    memo.computed += 1
+    # the inputs are held so that their memory cannot be reused by other tensors while remembered
+    held = (query, keys, values)
+    kept = None if mask is None else mask.clone()
+    memo.entry = (tag, scaling, inputs, kept, held, tuple(t.clone() for t in result))
+    return result
 
 
 class EvictionLayer(KVLayer):

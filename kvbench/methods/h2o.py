@@ -9,7 +9,9 @@ Algorithm 1), per layer and kv head:
 summed over the query heads that share the kv head (GQA). The scores come from this forward's own
 attention weights, computed eagerly inside :meth:`H2OLayer.attention` (softmax(QK^T/sqrt(d)) V,
 ``query_chunk`` queries at a time), so the attention the model uses and the scores are one
-computation.
+computation. The first forward's (the prefill's, from zero scores) goes through
+:func:`kvbench.cache.eviction.remembered_prefill`: computed every time, except inside an instrument's
+``shared_prefill`` block, where caches of other budgets fed the same tensors get a copy of it.
 
 Eviction: the cache holds the ``window`` most recent tokens (H2O's recent budget) and the
 ``budget - window`` heavy hitters: the earlier tokens with the largest F. After the prefill the whole
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvbench.cache.eviction import EvictionLayer, eager_attention
+from kvbench.cache.eviction import EvictionLayer, eager_attention, remembered_prefill
 from kvbench.config import is_int, require
 from kvbench.methods.base import register_method
 from kvbench.methods.eviction import EvictionConfig, EvictionMethod
@@ -77,17 +79,26 @@ class H2OLayer(EvictionLayer):
         return held
 
     def attention(self, module, query, keys, values, mask, **kwargs):
-        b, hk, n = keys.shape[0], keys.shape[1], keys.shape[-2]
-        acc = torch.zeros(b, hk, n, device=keys.device)
-        if self.scores is not None:
-            acc[..., : self.scores.shape[-1]] = self.scores
-
-        def accumulate(w):  # w [B, H_kv, rep, c, n]
-            acc.add_(w.sum(dim=(2, 3)))
-
         scaling = kwargs.get("scaling") or module.scaling
-        out = eager_attention(query, keys, values, mask, scaling, self.query_chunk, accumulate)
-        self.scores = acc
+        prior = self.scores
+
+        def weighted():
+            b, hk, n = keys.shape[0], keys.shape[1], keys.shape[-2]
+            acc = torch.zeros(b, hk, n, device=keys.device)
+            if prior is not None:
+                acc[..., : prior.shape[-1]] = prior
+
+            def accumulate(w):  # w [B, H_kv, rep, c, n]
+                acc.add_(w.sum(dim=(2, 3)))
+
+            return eager_attention(query, keys, values, mask, scaling, self.query_chunk, accumulate), acc
+
+        if prior is None:  # the prefill: the same for every budget (shared under shared_prefill)
+            out, self.scores = remembered_prefill(
+                (type(self), self.query_chunk), query, keys, values, mask, scaling, weighted
+            )
+        else:
+            out, self.scores = weighted()
         return out, None
 
     def candidate_scores(self, query, keys, mask, scaling, n_candidates):

@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from kvbench.cache.capture import capture_attention, replay
+from kvbench.cache.eviction import shared_prefill
 from kvbench.config import check_choice, is_int, is_number, require
 from kvbench.data import encode_text
 from kvbench.errors import ConfigError
@@ -136,7 +137,9 @@ def h2o_hit_rates(
     Each budget gets its own H2O cache layer (budget ``k - 1``, window ``r - 1``), fed the prompt in
     one forward and then each decode position (module docstring); the attended set of decode query
     ``t`` is what the layer holds when that query attends (``record_positions``). ``k = 1`` is the
-    current token alone.
+    current token alone. The prompt's attention (and H2O's accumulated scores from it) is the same for
+    every budget: it is computed once and shared (:func:`kvbench.cache.eviction.shared_prefill`), the
+    same arithmetic as computing it per budget.
 
     Returns float32 ``[len(budgets), N - start, H]``: the full-attention mass of the attended set.
     """
@@ -146,27 +149,31 @@ def h2o_hit_rates(
     probs = causal_probs(q[:, start:], keys, positions, scaling)  # [H, M, N]
     shape = ModelShape(num_layers=1, num_heads=heads, num_kv_heads=keys.shape[0], head_dim=d)
     out = torch.empty(len(budgets), n - start, heads, device=q.device)
-    for i, (k, r) in enumerate(zip(budgets, recents, strict=True)):
-        if k == 1:  # the current token alone: nothing is cached (H2O's smallest cache holds one token)
-            out[i] = probs[:, torch.arange(n - start), positions].transpose(0, 1)
-            continue
-        cache_budget = k - 1
-        method = build_method(
-            {"name": "h2o", "budget": cache_budget, "window": min(r - 1, cache_budget), "fp_dtype": "auto"}
-        )
-        layer = method.new_cache(shape, keys.dtype).layers[0]
-        layer.record_positions = True
+    # Every budget's cache prefills the same prompt from the same tensors: its attention and the
+    # accumulated scores are computed once (the first cache's) and copied to the others.
+    with shared_prefill():
+        for i, (k, r) in enumerate(zip(budgets, recents, strict=True)):
+            if k == 1:  # the current token alone: nothing is cached (H2O's smallest cache holds one token)
+                out[i] = probs[:, torch.arange(n - start), positions].transpose(0, 1)
+                continue
+            cache_budget = k - 1
+            window = min(r - 1, cache_budget)
+            method = build_method(
+                {"name": "h2o", "budget": cache_budget, "window": window, "fp_dtype": "auto"}
+            )
+            layer = method.new_cache(shape, keys.dtype).layers[0]
+            layer.record_positions = True
 
-        def measure(t, layer, i=i):
-            attended = torch.zeros(keys.shape[0], n, device=q.device)
-            attended.scatter_(-1, layer.positions[0].to(q.device), 1.0)  # [H_kv, N]
-            mask = attended.repeat_interleave(groups, dim=0)  # [H, N]
-            out[i, t - start] = (probs[:, t - start] * mask).sum(-1)
+            def measure(t, layer, i=i):
+                attended = torch.zeros(keys.shape[0], n, device=q.device)
+                attended.scatter_(-1, layer.positions[0].to(q.device), 1.0)  # [H_kv, N]
+                mask = attended.repeat_interleave(groups, dim=0)  # [H, N]
+                out[i, t - start] = (probs[:, t - start] * mask).sum(-1)
 
-        replay(
-            layer, q[None], keys[None], values[None], start, n - start, scaling,
-            attend_prefill=True, before_attend=measure,
-        )  # fmt: skip
+            replay(
+                layer, q[None], keys[None], values[None], start, n - start, scaling,
+                attend_prefill=True, before_attend=measure,
+            )  # fmt: skip
     return out
 
 

@@ -3,6 +3,7 @@ errors, the capture, one short real-model run, and the analysis table/figure."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -10,6 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
+import kvbench.methods.h2o as h2o_module
+import kvbench.tasks.pg19_hitrate as task_module
 from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape, build_method
 from kvbench.quant.affine import fake_quantize_grouped
@@ -101,6 +104,36 @@ def test_h2o_several_budgets_at_once_match_one_by_one():
     a = h2o_hit_rates(q, k, v, 0.5, budgets=[3], recents=[1], start=30)
     b = h2o_hit_rates(q, k, v, 0.5, budgets=[10], recents=[5], start=30)
     assert torch.equal(together, torch.cat([a, b]))
+
+
+def count_prompt_attention(monkeypatch) -> list[int]:
+    """The query lengths of H2O's eager attention calls with more than one query (prompt prefills)."""
+    seen: list[int] = []
+    real = h2o_module.eager_attention
+
+    def counted(query, *args):
+        if query.shape[-2] > 1:
+            seen.append(query.shape[-2])
+        return real(query, *args)
+
+    monkeypatch.setattr(h2o_module, "eager_attention", counted)
+    return seen
+
+
+def test_h2o_prompt_attention_once_per_layer_same_bits(monkeypatch):
+    """The prompt's attention is computed once for every budget of a layer and gives the very bits of
+    computing it per budget (several query chunks, k = 1 among the budgets)."""
+    torch.manual_seed(4)
+    q, k, v = torch.randn(6, 300, 8) * 2, torch.randn(2, 300, 8), torch.randn(2, 300, 8)
+    args = (q, k, v, 0.5, [1, 3, 15, 60, 300], [1, 2, 8, 30, 150], 292)
+    prompts = count_prompt_attention(monkeypatch)
+    shared = h2o_hit_rates(*args)
+    assert prompts == [292]
+    prompts.clear()
+    monkeypatch.setattr(task_module, "shared_prefill", contextlib.nullcontext)
+    alone = h2o_hit_rates(*args)
+    assert prompts == [292] * 4
+    assert torch.equal(shared, alone)
 
 
 def test_h2o_kept_set_is_shared_by_the_query_heads_of_a_kv_head():
@@ -295,6 +328,26 @@ def test_real_run_rows(fp16_runner, data_root):
     assert 0 <= row["spec_token_accuracy"] <= 1
     agg = task.aggregate([row, row])
     assert agg["n"] == 2 and agg["hit_rate/h2o/0.5"] == pytest.approx(row["hit_rates"]["h2o"]["0.5"])
+
+
+@pytest.mark.slow
+def test_real_run_row_shares_the_prompt_attention_bit_for_bit(fp16_runner, data_root, monkeypatch):
+    """The task's row with the prompt attention computed once per layer equals, to the last bit, the
+    row with it computed once per budget."""
+    task = hitrate(
+        data_root, context_length=96, decode_positions=4, layers=[0, 29], sparsities=[0.01, 0.05, 0.5, 1.0],
+        primary_sparsity=0.05, spec_residual=32,
+    )  # fmt: skip
+    prompts = count_prompt_attention(monkeypatch)
+    shared = task.run(task.samples()[0], fp16_runner)
+    assert prompts == [92, 92]  # once per layer (budgets 1, 5, 48, 96: three caches each)
+    prompts.clear()
+    monkeypatch.setattr(task_module, "shared_prefill", contextlib.nullcontext)
+    alone = task.run(task.samples()[0], fp16_runner)
+    assert prompts == [92] * 6
+    assert shared["hit_rates"] == alone["hit_rates"]
+    assert shared["hit_rates_by_layer"] == alone["hit_rates_by_layer"]
+    assert shared == alone
 
 
 # --- analysis ----------------------------------------------------------------------------------------
