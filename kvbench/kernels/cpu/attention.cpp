@@ -9,6 +9,9 @@
 //   scores: out[b, h, m, t] = sum_d q[b, h, m, d] x[b, h, t, d]
 //   mix:    out[b, h, m, d] = sum_t p[b, h, m, t] x[b, h, t, d]
 //
+// Both are written once (scores_over, mix_over) and instantiated per row decoder and per fold: the
+// kind of scale/zero parameter and where it is applied (see "The two loop families" below).
+//
 // The layouts are kvbench.quant.packing's (chunks of c codes in m bytes, little endian, code i the
 // i-th base-L digit; base-L words of 2..4 bytes are split into groups of k digits, L^k <= 256, by
 // dividing by L^k, and each group read through the same 256-entry table) and the parameter tensors are read through their strides, so the views of
@@ -32,6 +35,10 @@
 #endif
 
 namespace {
+
+// The fold and tile code is inlined into the loop families whatever the inliner's budget: the kernels
+// they replace had it in their own bodies, where the compiler vectorised and scheduled it as measured.
+#define KVB_INLINE inline __attribute__((always_inline))
 
 // Tokens per task: enough work to amortise a task, small enough to split 1K tokens over threads.
 constexpr int64_t kChunk = 256;
@@ -77,6 +84,15 @@ void load_floats(const void* base, at::ScalarType type, int64_t stride, int64_t 
   for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits_to_float(src[i * stride]);
 }
 
+#ifdef KVB_AVX2
+// The sum of a's eight lanes: halves added, then two horizontal adds.
+inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+#endif
+
 // out[m * out_stride] = q[m, :] . x for the M rows of q [M, D].
 inline void dot_rows(const float* q, int64_t M, int64_t D, const float* x, float* out,
                      int64_t out_stride) {
@@ -96,20 +112,14 @@ inline void dot_rows(const float* q, int64_t M, int64_t D, const float* x, float
       }
       __m256 acc[4] = {a0, a1, a2, a3};
       for (int j = 0; j < 4; ++j) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
-        s = _mm_hadd_ps(s, s);
-        s = _mm_hadd_ps(s, s);
-        out[(m + j) * out_stride] = _mm_cvtss_f32(s);
+        out[(m + j) * out_stride] = hsum(acc[j]);
       }
     }
     for (; m < M; ++m) {
       __m256 a = _mm256_setzero_ps();
       const float* qm = q + m * D;
       for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qm + d), _mm256_loadu_ps(x + d), a);
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-      s = _mm_hadd_ps(s, s);
-      s = _mm_hadd_ps(s, s);
-      out[m * out_stride] = _mm_cvtss_f32(s);
+      out[m * out_stride] = hsum(a);
     }
     return;
   }
@@ -120,17 +130,6 @@ inline void dot_rows(const float* q, int64_t M, int64_t D, const float* x, float
 #pragma omp simd reduction(+ : s)
     for (int64_t d = 0; d < D; ++d) s += qm[d] * x[d];
     out[m * out_stride] = s;
-  }
-}
-
-// acc[m, :] += w[m * w_stride] * x for the M rows of acc [M, D].
-inline void axpy_rows(const float* w, int64_t w_stride, int64_t M, int64_t D, const float* x,
-                      float* acc) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float wm = w[m * w_stride];
-    float* am = acc + m * D;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) am[d] += wm * x[d];
   }
 }
 
@@ -169,30 +168,60 @@ inline void dot_rows4(const float* q, int64_t M, int64_t D, const float* const* 
   for (int j = 0; j < 4; ++j) dot_rows(q, M, D, x[j], out + j, out_stride);
 }
 
-// Four tokens at once: acc[m, :] += sum_j w[m * w_stride + j] x_j (one load and store of the
-// accumulator per four tokens).
-inline void axpy_rows4(const float* w, int64_t w_stride, int64_t M, int64_t D, const float* const* x,
-                       float* acc) {
+// The weights a mix adds decoded rows with: w(m, g)[u] for query row m, channel group g (positions
+// [g width, (g + 1) width) of a decoded row) and token u of the chunk, at base + (m groups + g) stride + u.
+struct MixWeights {
+  const float* base = nullptr;
+  int64_t stride = 0, groups = 1, width = 0;
+  bool vec = false;  // a group is whole 8-float vectors
+};
+
+// acc[m, group g] += sum_j w(m, g)[u + j] x_j for the M rows of acc [M, R] and the K decoded rows x_j
+// (K = 1, or four: one load and store of the accumulator per four tokens). Groups: whether there may
+// be more than one group.
+template <int K, bool Groups>
+KVB_INLINE void axpy_tile(const MixWeights& wt, int64_t u, int64_t M, int64_t R, const float* const* x, float* acc) {
+  // locals, which the vector stores below cannot alias (memory they may)
+  const float* const base = wt.base + u;
+  const int64_t stride = wt.stride, groups = Groups ? wt.groups : 1, width = wt.width;
 #ifdef KVB_AVX2
-  if (D % 8 == 0) {
-    for (int64_t m = 0; m < M; ++m) {
-      const float* wm = w + m * w_stride;
-      const __m256 w0 = _mm256_set1_ps(wm[0]), w1 = _mm256_set1_ps(wm[1]);
-      const __m256 w2 = _mm256_set1_ps(wm[2]), w3 = _mm256_set1_ps(wm[3]);
-      float* am = acc + m * D;
-      for (int64_t d = 0; d < D; d += 8) {
-        __m256 a = _mm256_loadu_ps(am + d);
-        a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[0] + d), a);
-        a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[1] + d), a);
-        a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x[2] + d), a);
-        a = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x[3] + d), a);
-        _mm256_storeu_ps(am + d, a);
+  if constexpr (K == 4) {
+    if (wt.vec) {
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t gi = 0; gi < groups; ++gi) {
+          const float* wg = base + (m * groups + gi) * stride;
+          const __m256 w0 = _mm256_set1_ps(wg[0]), w1 = _mm256_set1_ps(wg[1]);
+          const __m256 w2 = _mm256_set1_ps(wg[2]), w3 = _mm256_set1_ps(wg[3]);
+          const int64_t off = gi * width;
+          const float *x0 = x[0] + off, *x1 = x[1] + off, *x2 = x[2] + off, *x3 = x[3] + off;
+          float* am = acc + m * R + off;
+          for (int64_t d = 0; d < width; d += 8) {
+            __m256 a = _mm256_loadu_ps(am + d);
+            a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + d), a);
+            a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + d), a);
+            a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x2 + d), a);
+            a = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x3 + d), a);
+            _mm256_storeu_ps(am + d, a);
+          }
+        }
       }
+      return;
     }
-    return;
   }
 #endif
-  for (int j = 0; j < 4; ++j) axpy_rows(w + j, w_stride, M, D, x[j], acc);
+  for (int64_t m = 0; m < M; ++m) {
+    float* am = acc + m * R;
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const float* wg = base + (m * groups + gi) * stride;
+      const int64_t d0 = gi * width, d1 = d0 + width;
+      for (int j = 0; j < K; ++j) {
+        const float wj = wg[j];
+        const float* xj = x[j];
+#pragma omp simd
+        for (int64_t d = d0; d < d1; ++d) am[d] += wj * xj[d];
+      }
+    }
+  }
 }
 
 // A 4-d tensor read through its strides, with broadcast (size-1) axes read at stride 0.
@@ -511,6 +540,7 @@ struct FloatRows {
     b = b_;
     h = h_;
   }
+  int64_t width() const { return head_dim; }
   const float* operator()(int64_t t, int slot) {
     if (data.type == at::kFloat && data.sd == 1) return static_cast<const float*>(data.at(b, h, t, 0));
     float* o = out.data() + slot * head_dim;
@@ -654,7 +684,7 @@ inline __m256i widen8(const uint8_t* p) {
 
 // out[m * out_stride + u] = q[m, :] . codes(t0 + u) for u < n and MB query rows; q in shift order.
 template <int BITS, int MB>
-void shift_scores_block(const ShiftRows& rows, int64_t t0, int64_t n, const float* q, int64_t D, float* out,
+KVB_INLINE void shift_scores_block(const ShiftRows& rows, int64_t t0, int64_t n, const float* q, int64_t D, float* out,
                         int64_t out_stride) {
   constexpr int per = 8 / BITS;
   const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
@@ -688,16 +718,13 @@ void shift_scores_block(const ShiftRows& rows, int64_t t0, int64_t n, const floa
           acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(q + m * D + 8 * (j * per + s)), v, acc[m]);
       }
     for (int m = 0; m < MB; ++m) {
-      __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-      t = _mm_hadd_ps(t, t);
-      t = _mm_hadd_ps(t, t);
-      out[m * out_stride + u] = _mm_cvtss_f32(t);
+      out[m * out_stride + u] = hsum(acc[m]);
     }
   }
 }
 
 template <int BITS>
-void shift_scores_rows(const ShiftRows& rows, int64_t t0, int64_t n, const float* q, int64_t M, int64_t D,
+KVB_INLINE void shift_scores_rows(const ShiftRows& rows, int64_t t0, int64_t n, const float* q, int64_t M, int64_t D,
                        float* out, int64_t out_stride) {
   // query rows in blocks of up to four: dot_rows4 keeps one chain per (row, token), as here; six
   // rows go as two blocks of three (four tokens times four rows would not fit the registers)
@@ -714,7 +741,7 @@ void shift_scores_rows(const ShiftRows& rows, int64_t t0, int64_t n, const float
   }
 }
 
-inline bool shift_scores(const ShiftRows& rows, int64_t t0, int64_t n, const float* q, int64_t M, int64_t D,
+KVB_INLINE bool shift_scores(const ShiftRows& rows, int64_t t0, int64_t n, const float* q, int64_t M, int64_t D,
                          float* out, int64_t out_stride) {
   if (!rows.table.empty()) return false;
   switch (rows.bits) {
@@ -961,62 +988,6 @@ at::Tensor check_rows(const at::Tensor& x, const char* name, int64_t B, int64_t 
   return x.to(at::kFloat).contiguous();
 }
 
-// scores [B, H, M, T] of query [B, H, M, D] over T rows made by `make` (a copy per task).
-template <class Rows>
-at::Tensor run_scores(const at::Tensor& query, int64_t T, const Rows& proto) {
-  const int64_t B = query.size(0), H = query.size(1), M = query.size(2), D = query.size(3);
-  auto q = query.contiguous();
-  auto out = at::empty({B, H, M, T}, query.options());
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t chunks = (T + kChunk - 1) / kChunk;
-  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    Rows rows = proto;
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t bh = w / chunks, c = w % chunks;
-      rows.bind(bh / H, bh % H);
-      const float* qb = qp + bh * M * D;
-      float* ob = op + bh * M * T;
-      const int64_t t1 = std::min(T, (c + 1) * kChunk);
-      int64_t t = c * kChunk;
-      for (; t + kSlots <= t1; t += kSlots) {
-        const float* x[kSlots] = {rows(t, 0), rows(t + 1, 1), rows(t + 2, 2), rows(t + 3, 3)};
-        dot_rows4(qb, M, D, x, ob + t, T);
-      }
-      for (; t < t1; ++t) dot_rows(qb, M, D, rows(t, 0), ob + t, T);
-    }
-  });
-  return out;
-}
-
-// mix [B, H, M, D] of weights [B, H, M, T] over T rows: partial sums per task, then their sum.
-template <class Rows>
-at::Tensor run_mix(const at::Tensor& weights, int64_t D, const Rows& proto) {
-  const int64_t B = weights.size(0), H = weights.size(1), M = weights.size(2), T = weights.size(3);
-  auto p = weights.contiguous();
-  const int64_t chunks = std::max<int64_t>(1, (T + kChunk - 1) / kChunk);
-  auto partial = at::zeros({B * H, chunks, M, D}, weights.options());
-  const float* pp = p.data_ptr<float>();
-  float* part = partial.data_ptr<float>();
-  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    Rows rows = proto;
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t bh = w / chunks, c = w % chunks;
-      rows.bind(bh / H, bh % H);
-      const float* pb = pp + bh * M * T;
-      float* acc = part + w * M * D;
-      const int64_t t1 = std::min(T, (c + 1) * kChunk);
-      int64_t t = c * kChunk;
-      for (; t + kSlots <= t1; t += kSlots) {
-        const float* x[kSlots] = {rows(t, 0), rows(t + 1, 1), rows(t + 2, 2), rows(t + 3, 3)};
-        axpy_rows4(pb + t, T, M, D, x, acc);
-      }
-      for (; t < t1; ++t) axpy_rows(pb + t, T, M, D, rows(t, 0), acc);
-    }
-  });
-  return partial.sum(1).view({B, H, M, D});
-}
-
 struct CodeTables {
   std::vector<float> lut, table;
 };
@@ -1050,6 +1021,8 @@ struct CodeArgs {
   int64_t rope_offset;
 };
 
+// The generic code kernels' rows: codes through the table, then the scale and zero of any layout
+// (Param), then RoPE, all applied to every decoded row.
 template <class F>
 at::Tensor with_code_rows(const CodeArgs& a, int64_t B, int64_t H, F&& body) {
   TORCH_CHECK(a.codes.scalar_type() == at::kByte && a.codes.dim() == 4, "codes must be uint8 4-d");
@@ -1073,89 +1046,7 @@ at::Tensor with_code_rows(const CodeArgs& a, int64_t B, int64_t H, F&& body) {
   return body(rows);
 }
 
-
-// The codes of a part as their level values, no affine map: the folded kernels below apply the
-// scale and zero to the small side (the query or the weights) instead of to every code.
-CodeRows raw_code_rows(const at::Tensor& codes, int64_t levels, int64_t head_dim, int64_t chunk_codes,
-                       int64_t chunk_bytes, const CodeTables& tables) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
-              "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
-  TORCH_CHECK(codes.size(3) % chunk_bytes == 0, "codes hold a whole number of chunks");
-  return CodeRows(View4(codes), levels, head_dim, chunk_codes, chunk_bytes, &tables.lut, &tables.table,
-                  Param(View4(), 0, head_dim), Param(View4(), 0, head_dim));
-}
-
 at::Tensor identity_table(int64_t levels) { return at::arange(levels, at::TensorOptions().dtype(at::kFloat)); }
-
-}  // namespace
-
-// Per-channel affine keys (KIVI's): x[t, d] = c[t, d] s[t / G, d] + z[t / G, d], so
-// q . x_t = (q * s_g) . c_t + q . z_g: the query is scaled once per group of G tokens and the codes
-// enter the dot product as they are. `pos` places channel d where the row decoder puts it.
-template <class Rows>
-at::Tensor channel_scores(const at::Tensor& q, const Rows& proto, const std::vector<int64_t>& pos,
-                          const View4& sv, const View4& zv, int64_t T, int64_t group) {
-  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3);
-  auto out = at::empty({B, H, M, T}, q.options());
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t chunks = (T + kChunk - 1) / kChunk;
-  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    Rows rows = proto;
-    // the query in the decoder's channel order, the group's scale row in that order and the
-    // scaled query; the zero term is a plain dot product (its order does not matter)
-    std::vector<float> qperm(M * D), qs(M * D), qz(M), sr(D), srp(D), zr(D);
-    int64_t bound = -1;
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
-      rows.bind(b, h);
-      const float* qb = qp + bh * M * D;
-      float* ob = op + bh * M * T;
-      if (bh != bound) {
-        bound = bh;
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t d = 0; d < D; ++d) qperm[m * D + pos[d]] = qb[m * D + d];
-      }
-      const int64_t t1 = std::min(T, (c + 1) * kChunk);
-      int64_t g = -1;
-      for (int64_t t = c * kChunk; t < t1;) {
-        if (t / group != g) {
-          g = t / group;
-          load_floats(sv.at(b, h, g, 0), sv.type, sv.sd, D, sr.data());
-          load_floats(zv.at(b, h, g, 0), zv.type, zv.sd, D, zr.data());
-          for (int64_t d = 0; d < D; ++d) srp[pos[d]] = sr[d];
-          for (int64_t m = 0; m < M; ++m) {
-            const float* qm = qb + m * D;
-            const float* qpm = qperm.data() + m * D;
-            float* qsm = qs.data() + m * D;
-            float acc = 0.f;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) qsm[d] = qpm[d] * srp[d];
-#pragma omp simd reduction(+ : acc)
-            for (int64_t d = 0; d < D; ++d) acc += qm[d] * zr[d];
-            qz[m] = acc;
-          }
-        }
-        const int64_t stop = std::min(t1, (g + 1) * group);
-#ifdef KVB_AVX2
-        if constexpr (std::is_same_v<Rows, ShiftRows>) {
-          if (shift_scores(rows, t, stop - t, qs.data(), M, D, ob + t, T)) t = stop;
-        }
-#endif
-        for (; t + kSlots <= stop; t += kSlots) {
-          const float* x[kSlots] = {rows(t, 0), rows(t + 1, 1), rows(t + 2, 2), rows(t + 3, 3)};
-          dot_rows4(qs.data(), M, D, x, ob + t, T);
-        }
-        for (; t < stop; ++t) dot_rows(qs.data(), M, D, rows(t, 0), ob + t, T);
-        // the zero term of the group's tokens in this chunk
-        const int64_t first = std::max(c * kChunk, g * group);
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t u = first; u < stop; ++u) ob[m * T + u] += qz[m];
-      }
-    }
-  });
-  return out;
-}
 
 std::vector<int64_t> identity_order(int64_t head_dim) {
   std::vector<int64_t> pos(head_dim);
@@ -1163,226 +1054,213 @@ std::vector<int64_t> identity_order(int64_t head_dim) {
   return pos;
 }
 
-at::Tensor affine_channel_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& scale,
-                                 const at::Tensor& zero, int64_t levels, int64_t head_dim,
-                                 int64_t chunk_codes, int64_t chunk_bytes, int64_t group) {
-  const int64_t B = query.size(0), H = query.size(1), D = head_dim, T = codes.size(2);
-  TORCH_CHECK(query.size(3) == D && group > 0, "query must be [B, H_kv, M, head_dim]");
-  auto q = check_rows(query, "query", B, H);
-  const View4 sv(scale), zv(zero);
-  TORCH_CHECK(sv.cols == D && sv.rows * group >= T, "scale must be [B, H_kv, T / G, D]");
-  if (shift_unpackable(levels, D, chunk_bytes)) {
-    TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
-                "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
+// Which decoder reads the codes of a folded kernel (codes as their table values, no affine map: the
+// fold applies the scale and zero to the small side, the query or the weights, instead of to every code).
+enum class Decoder {
+  kShift,   // ShiftRows: power-of-two codes in whole 8-byte spans
+  kDigits,  // DigitRows: non-power-of-two codes in words of 1-3 bytes (vector unit only)
+  kTable,   // CodeRows: any layout, through the byte and digit-group tables
+};
+
+// body(rows, pos) with the decoder `which` of `codes` and pos[d] the place of channel d in its rows.
+// `lookup`: ShiftRows looks the table's values up in registers (else it yields the codes themselves,
+// which its register kernels then read in place). `Digits`: whether the kernel instantiates DigitRows.
+template <bool Digits, class F>
+at::Tensor with_raw_rows(Decoder which, bool lookup, const at::Tensor& codes, const at::Tensor& table,
+                         int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes, F&& body) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
+              "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
+  TORCH_CHECK(codes.size(3) % chunk_bytes == 0, "codes hold a whole number of chunks");
+  const at::Tensor tab = table.to(at::kFloat).contiguous();
+  TORCH_CHECK(tab.numel() == levels, "table must hold one value per level");
+  if (which == Decoder::kShift) {
     const int bits = __builtin_ctzll(levels);
-    return channel_scores(q, ShiftRows(View4(codes), bits, D), shift_order(bits, D), sv, zv, T, group);
+    return body(ShiftRows(View4(codes), bits, head_dim, lookup ? tab.data_ptr<float>() : nullptr),
+                shift_order(bits, head_dim));
   }
-  CodeTables tables = make_tables(identity_table(levels), levels, chunk_codes, chunk_bytes);
-  const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
-  return channel_scores(q, proto, identity_order(D), sv, zv, T, group);
+#ifdef KVB_AVX2
+  if constexpr (Digits) {
+    if (which == Decoder::kDigits)
+      return body(DigitRows(codes, levels, head_dim, chunk_codes, chunk_bytes, tab.data_ptr<float>()),
+                  digit_order(chunk_codes, head_dim));
+  }
+#endif
+  const CodeTables tables = make_tables(tab, levels, chunk_codes, chunk_bytes);
+  return body(CodeRows(View4(codes), levels, head_dim, chunk_codes, chunk_bytes, &tables.lut, &tables.table,
+                       Param(View4(), 0, head_dim), Param(View4(), 0, head_dim)),
+              identity_order(head_dim));
 }
 
-// Per-token affine values (KIVI's): x[t, d] = c[t, d] s[t, d / G] + z[t, d / G], so
-// sum_t p_t x_t = sum_t (p_t s_t,g) c_t + sum_t p_t z_t,g: the weights are scaled per token and
-// channel group, and the zero term is one number per (row, group). The accumulator is kept in the
-// row decoder's channel order (`pos`; a permutation within each group) and put back in order once
-// per task.
-template <class Rows>
-at::Tensor token_mix(const at::Tensor& p, const Rows& proto, const std::vector<int64_t>& pos,
-                     const View4& sv, const View4& zv, int64_t D, int64_t group) {
+// The two loop families, each written once. scores_over and mix_over cut the work into tasks of one
+// (batch, kv head, kChunk tokens), decode the rows kSlots at a time with a row decoder (Rows: FloatRows,
+// CodeRows, ShiftRows, DigitRows) and leave the parameter kind to a fold policy (Fold), which applies the
+// scale and zero to the small side (the query or the weights) instead of to every decoded row:
+//   PlainScores, PlainMix                none, or applied by the decoder (the generic code kernels)
+//   ChannelGroupScores                   per-channel scale/zero shared by G tokens (KIVI's keys)
+//   TokenGroupMix                        per-token scale/zero per group of G channels (KIVI's values)
+//   TokenScalarScores, TokenScalarMix    one scale and zero per token (codebook norms and ranges)
+// A task copies the fold and calls start(M, D, R) (M query rows of D channels, decoded rows of R >= D
+// positions). Scores, per chunk: bind(b, h, query rows, new head), then segments [t, segment(t, t1)) of
+// tokens that share one query() [M, R], each completed by finish. Mix, per chunk: weigh(...) fills
+// weights() and returns the accumulator [M, R]; finish writes the chunk's partial sum [M, D]. kGroups:
+// weights per channel group; kRegisterCodes: ShiftRows' codes go to the register kernels (shift_scores,
+// shift_mix). Each fold does its kernel's operations in the same order as before the split.
+
+// scores [B, H, M, T] of q [B, H, M, D] (float32, contiguous) over the T rows of `rows_proto`.
+template <class Rows, class Fold>
+at::Tensor scores_over(const at::Tensor& q, int64_t T, const Rows& rows_proto, const Fold& fold_proto) {
+  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3);
+  auto out = at::empty({B, H, M, T}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t chunks = (T + kChunk - 1) / kChunk;
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
+    Rows rows = rows_proto;
+    Fold fold = fold_proto;
+    // the decoder's row may be wider than D (DigitRows' padding): the fold's query is zero there
+    const int64_t R = rows.width();
+    fold.start(M, D, R);
+    int64_t bound = -1;
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
+      rows.bind(b, h);
+      fold.bind(b, h, qp + bh * M * D, bh != bound);
+      bound = bh;
+      float* ob = op + bh * M * T;
+      const int64_t t1 = std::min(T, (c + 1) * kChunk);
+      for (int64_t t = c * kChunk; t < t1;) {
+        const int64_t first = t, stop = fold.segment(t, t1);
+        const float* qs = fold.query();
+#ifdef KVB_AVX2
+        if constexpr (std::is_same_v<Rows, ShiftRows> && Fold::kRegisterCodes) {
+          if (shift_scores(rows, t, stop - t, qs, M, R, ob + t, T)) t = stop;
+        }
+#endif
+        for (; t + kSlots <= stop; t += kSlots) {
+          const float* x[kSlots] = {rows(t, 0), rows(t + 1, 1), rows(t + 2, 2), rows(t + 3, 3)};
+          dot_rows4(qs, M, R, x, ob + t, T);
+        }
+        for (; t < stop; ++t) dot_rows(qs, M, R, rows(t, 0), ob + t, T);
+        fold.finish(ob, T, first, stop);
+      }
+    }
+  });
+  return out;
+}
+
+// mix [B, H, M, D] of p [B, H, M, T] (float32, contiguous) over the T rows of `rows_proto`: partial
+// sums per task, then their sum.
+template <class Rows, class Fold>
+at::Tensor mix_over(const at::Tensor& p, int64_t D, const Rows& rows_proto, const Fold& fold_proto) {
   const int64_t B = p.size(0), H = p.size(1), M = p.size(2), T = p.size(3);
-  const int64_t ng = D / group;
   const int64_t chunks = std::max<int64_t>(1, (T + kChunk - 1) / kChunk);
   auto partial = at::zeros({B * H, chunks, M, D}, p.options());
   const float* pp = p.data_ptr<float>();
   float* part = partial.data_ptr<float>();
-  const bool vec = group % 8 == 0;
-  // the decoder's row may be wider than D (DigitRows' padding); its permutation then spans the row,
-  // so it must hold one group
-  const int64_t R = proto.width();
-  TORCH_CHECK(R == D || ng == 1, "a padded row order needs one channel group");
-  const int64_t gw = R == D ? group : R;
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    Rows rows = proto;
-    // the chunk's scales and zeros as float32 [kChunk, ng], then by group [ng, kChunk], and the
-    // scaled weights p_t s_t,g
-    std::vector<float> sc(kChunk * ng), zc(kChunk * ng), sg(kChunk * ng), zg(kChunk * ng), wsc(M * kChunk * ng),
-        accp(M * R);
+    Rows rows = rows_proto;
+    Fold fold = fold_proto;
+    const int64_t R = rows.width();
+    fold.start(M, D, R);
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
-      rows.bind(b, h);
-      const float* pb = pp + bh * M * T;
-      float* out = part + w * M * D;
-      float* acc = accp.data();
-      std::fill(accp.begin(), accp.end(), 0.f);
       const int64_t t0 = c * kChunk, t1 = std::min(T, (c + 1) * kChunk), n = t1 - t0;
       if (n <= 0) continue;
-      for (const auto& [view, dst] : {std::pair{&sv, sc.data()}, std::pair{&zv, zc.data()}}) {
-        if (view->sd == 1 && view->st == ng) {
-          // the chunk's rows are one run of n * ng values (the doubling buffers' layout)
-          load_floats(view->at(b, h, t0, 0), view->type, 1, n * ng, dst);
-        } else {
-          for (int64_t u = 0; u < n; ++u) load_floats(view->at(b, h, t0 + u, 0), view->type, view->sd, ng, dst + u * ng);
-        }
-      }
-      for (int64_t u = 0; u < n; ++u)
-        for (int64_t gi = 0; gi < ng; ++gi) {
-          sg[gi * kChunk + u] = sc[u * ng + gi];
-          zg[gi * kChunk + u] = zc[u * ng + gi];
-        }
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t gi = 0; gi < ng; ++gi) {
-          // contiguous runs, and the zero term summed in vector lanes: one serial chain of n
-          // multiply-adds per (row, group) would cost more than the codes' dot products
-          const float* pm = pb + m * T + t0;
-          const float* sgi = sg.data() + gi * kChunk;
-          const float* zgi = zg.data() + gi * kChunk;
-          float* wg = wsc.data() + (m * ng + gi) * kChunk;
-          float zsum = 0.f;
-#pragma omp simd reduction(+ : zsum)
-          for (int64_t u = 0; u < n; ++u) {
-            wg[u] = pm[u] * sgi[u];
-            zsum += pm[u] * zgi[u];
-          }
-          // the zero term at the positions of the group's channels (with one group: the whole
-          // row, padding included)
-          if (ng == 1) {
-            for (int64_t d = 0; d < R; ++d) acc[m * R + d] += zsum;
-          } else {
-            for (int64_t d = gi * group; d < (gi + 1) * group; ++d) acc[m * R + pos[d]] += zsum;
-          }
-        }
-      }
+      rows.bind(b, h);
+      float* out = part + w * M * D;
+      float* acc = fold.weigh(pp + bh * M * T + t0, T, b, h, t0, n, out);
+      const MixWeights wt = fold.weights();
       int64_t u = 0;
 #ifdef KVB_AVX2
-      if constexpr (std::is_same_v<Rows, ShiftRows>) {
-        if (vec && shift_mix(rows, t0, n, wsc.data(), kChunk, M, ng, group, D, acc)) u = n;
+      if constexpr (std::is_same_v<Rows, ShiftRows> && Fold::kRegisterCodes) {
+        if (wt.vec && shift_mix(rows, t0, n, wt.base, wt.stride, M, wt.groups, wt.width, D, acc)) u = n;
       }
 #endif
-      for (; u < n;) {
-        const int k = u + kSlots <= n ? kSlots : 1;
-        const float* x[kSlots];
-        for (int j = 0; j < k; ++j) x[j] = rows(t0 + u + j, j);
-        for (int64_t m = 0; m < M; ++m) {
-          float* am = acc + m * R;
-          for (int64_t gi = 0; gi < ng; ++gi) {
-            const float* wg = wsc.data() + (m * ng + gi) * kChunk + u;
-            const int64_t d0 = gi * gw, d1 = d0 + gw;
-#ifdef KVB_AVX2
-            if (vec && k == kSlots) {
-              const __m256 w0 = _mm256_set1_ps(wg[0]), w1 = _mm256_set1_ps(wg[1]);
-              const __m256 w2 = _mm256_set1_ps(wg[2]), w3 = _mm256_set1_ps(wg[3]);
-              for (int64_t d = d0; d < d1; d += 8) {
-                __m256 a = _mm256_loadu_ps(am + d);
-                a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[0] + d), a);
-                a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[1] + d), a);
-                a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x[2] + d), a);
-                a = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x[3] + d), a);
-                _mm256_storeu_ps(am + d, a);
-              }
-              continue;
-            }
-#endif
-            for (int j = 0; j < k; ++j) {
-              const float wj = wg[j];
-              const float* xj = x[j];
-#pragma omp simd
-              for (int64_t d = d0; d < d1; ++d) am[d] += wj * xj[d];
-            }
-          }
-        }
-        u += k;
+      for (; u + kSlots <= n; u += kSlots) {
+        const float* x[kSlots] = {rows(t0 + u, 0), rows(t0 + u + 1, 1), rows(t0 + u + 2, 2), rows(t0 + u + 3, 3)};
+        axpy_tile<kSlots, Fold::kGroups>(wt, u, M, R, x, acc);
       }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t d = 0; d < D; ++d) out[m * D + d] = acc[m * R + pos[d]];
+      for (; u < n; ++u) {
+        const float* x[1] = {rows(t0 + u, 0)};
+        axpy_tile<1, Fold::kGroups>(wt, u, M, R, x, acc);
+      }
+      fold.finish(acc, out, M, D);
     }
   });
   return partial.sum(1).view({B, H, M, D});
 }
 
-at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& scale,
-                            const at::Tensor& zero, int64_t levels, int64_t head_dim, int64_t chunk_codes,
-                            int64_t chunk_bytes, int64_t group) {
-  const int64_t B = weights.size(0), H = weights.size(1), T = weights.size(3);
-  const int64_t D = head_dim;
-  TORCH_CHECK(codes.size(2) == T, "weights and codes disagree on T");
-  TORCH_CHECK(group > 0 && D % group == 0, "group must divide head_dim");
-  auto p = check_rows(weights, "weights", B, H);
-  const View4 sv(scale), zv(zero);
-  TORCH_CHECK(sv.cols == D / group && zv.cols == D / group, "scale and zero must be [B, H_kv, T, D / G]");
-  if (shift_unpackable(levels, D, chunk_bytes)) {
-    const int bits = __builtin_ctzll(levels);
-    // a group is whole 8-byte spans (64 / b channels), or half of one (each lane's codes then lie
-    // in one group: lanes 0-3 in the first)
-    if (group % (64 / bits) == 0 || 2 * group == 64 / bits) {
-      TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
-                  "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
-      return token_mix(p, ShiftRows(View4(codes), bits, D), shift_order(bits, D), sv, zv, D, group);
+// -- scores folds ------------------------------------------------------------------------------------
+
+// The query as it is (R = D).
+struct PlainScores {
+  static constexpr bool kRegisterCodes = false;
+  const float* q = nullptr;
+  KVB_INLINE void start(int64_t, int64_t, int64_t) {}
+  KVB_INLINE void bind(int64_t, int64_t, const float* qb, bool) { q = qb; }
+  KVB_INLINE int64_t segment(int64_t, int64_t t1) const { return t1; }
+  KVB_INLINE const float* query() const { return q; }
+  KVB_INLINE void finish(float*, int64_t, int64_t, int64_t) const {}
+};
+
+// Per-channel affine keys (KIVI's): x[t, d] = c[t, d] s[t / G, d] + z[t / G, d], so
+// q . x_t = (q * s_g) . c_t + q . z_g: the query is scaled once per group of G tokens (a segment is
+// the chunk's tokens of one group) and the codes enter the dot product as they are.
+struct ChannelGroupScores {
+  static constexpr bool kRegisterCodes = true;
+  View4 sv, zv;
+  int64_t group = 1;
+  const std::vector<int64_t>* pos = nullptr;  // pos[d]: where the decoder puts channel d
+  int64_t M = 0, D = 0, R = 0, b = 0, h = 0, g = -1;
+  const float* qb = nullptr;
+  // the query in the decoder's channel order, the group's scale row in that order and the scaled
+  // query; the zero term q . z_g is taken on the query in channel order
+  std::vector<float> qperm, qs, qz, sr, srp, zr;
+
+  ChannelGroupScores(const View4& sv_, const View4& zv_, int64_t group_, const std::vector<int64_t>& pos_)
+      : sv(sv_), zv(zv_), group(group_), pos(&pos_) {}
+  KVB_INLINE void start(int64_t M_, int64_t D_, int64_t R_) {
+    M = M_, D = D_, R = R_;
+    qperm.assign(M * R, 0.f);
+    qs.assign(M * R, 0.f);
+    qz.assign(M, 0.f);
+    sr.assign(D, 0.f);
+    srp.assign(R, 0.f);
+    zr.assign(D, 0.f);
+  }
+  KVB_INLINE void bind(int64_t b_, int64_t h_, const float* q, bool new_head) {
+    b = b_, h = h_, qb = q, g = -1;
+    if (new_head)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t d = 0; d < D; ++d) qperm[m * R + (*pos)[d]] = qb[m * D + d];
+  }
+  KVB_INLINE int64_t segment(int64_t t, int64_t t1) {
+    if (t / group != g) {
+      g = t / group;
+      load_floats(sv.at(b, h, g, 0), sv.type, sv.sd, D, sr.data());
+      load_floats(zv.at(b, h, g, 0), zv.type, zv.sd, D, zr.data());
+      for (int64_t d = 0; d < D; ++d) srp[(*pos)[d]] = sr[d];
+      for (int64_t m = 0; m < M; ++m) {
+        const float* qm = qb + m * D;
+        const float* qpm = qperm.data() + m * R;
+        float* qsm = qs.data() + m * R;
+        float acc = 0.f;
+#pragma omp simd
+        for (int64_t d = 0; d < R; ++d) qsm[d] = qpm[d] * srp[d];
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < D; ++d) acc += qm[d] * zr[d];
+        qz[m] = acc;
+      }
     }
+    return std::min(t1, (g + 1) * group);
   }
-#ifdef KVB_AVX2
-  if (group == D && digit_rows_fit(levels, chunk_codes, chunk_bytes)) {
-    const at::Tensor ident = identity_table(levels);
-    return token_mix(p, DigitRows(codes, levels, D, chunk_codes, chunk_bytes, ident.data_ptr<float>()),
-                     digit_order(chunk_codes, D), sv, zv, D, group);
+  KVB_INLINE const float* query() const { return qs.data(); }
+  // the zero term of the group's tokens in this chunk
+  KVB_INLINE void finish(float* ob, int64_t T, int64_t first, int64_t stop) const {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t u = first; u < stop; ++u) ob[m * T + u] += qz[m];
   }
-#endif
-  CodeTables tables = make_tables(identity_table(levels), levels, chunk_codes, chunk_bytes);
-  const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
-  return token_mix(p, proto, identity_order(D), sv, zv, D, group);
-}
-
-at::Tensor fp_scores(const at::Tensor& query, const at::Tensor& keys) {
-  const int64_t B = query.size(0), H = query.size(1), D = query.size(3);
-  TORCH_CHECK(keys.size(3) == D && keys.stride(3) == 1, "keys must be [B, H_kv, T, D], D contiguous");
-  auto q = check_rows(query, "query", B, H);
-  return run_scores(q, keys.size(2), FloatRows(View4(keys), D));
-}
-
-at::Tensor fp_mix(const at::Tensor& weights, const at::Tensor& values) {
-  const int64_t B = weights.size(0), H = weights.size(1);
-  TORCH_CHECK(values.size(2) == weights.size(3), "weights and values disagree on T");
-  auto p = check_rows(weights, "weights", B, H);
-  return run_mix(p, values.size(3), FloatRows(View4(values), values.size(3)));
-}
-
-at::Tensor code_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& table,
-                       const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
-                       int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes,
-                       int64_t scale_rows, int64_t zero_rows, const c10::optional<at::Tensor>& cos,
-                       const c10::optional<at::Tensor>& sin, int64_t rope_offset) {
-  const int64_t B = query.size(0), H = query.size(1);
-  TORCH_CHECK(query.size(3) == head_dim, "query must be [B, H_kv, M, head_dim]");
-  auto q = check_rows(query, "query", B, H);
-  CodeArgs a{codes, table, scale, zero, levels, head_dim, chunk_codes, chunk_bytes,
-             scale_rows, zero_rows, cos, sin, rope_offset};
-  return with_code_rows(a, B, H, [&](const CodeRows& rows) { return run_scores(q, codes.size(2), rows); });
-}
-
-at::Tensor code_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& table,
-                    const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
-                    int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes,
-                    int64_t scale_rows, int64_t zero_rows) {
-  const int64_t B = weights.size(0), H = weights.size(1);
-  TORCH_CHECK(codes.size(2) == weights.size(3), "weights and codes disagree on T");
-  auto p = check_rows(weights, "weights", B, H);
-  CodeArgs a{codes, table, scale, zero, levels, head_dim, chunk_codes, chunk_bytes,
-             scale_rows, zero_rows, c10::nullopt, c10::nullopt, 0};
-  return with_code_rows(a, B, H, [&](const CodeRows& rows) { return run_mix(p, head_dim, rows); });
-}
-
-// Codebook codes with an optional per-token scale and zero (TurboQuant's norms, KVQuant's
-// per-token value ranges): x[t, d] = s_t table[c[t, d]] + z_t, so
-//   q . x_t = s_t (q . table[c_t]) + z_t sum(q)   and   sum_t p_t x_t = sum_t (p_t s_t) table[c_t] + sum_t p_t z_t.
-// The codes are unpacked by shifts and looked up in registers (ShiftRows); other layouts, level
-// counts above 16 and per-channel parameters go through code_scores / code_mix.
-bool codebook_foldable(int64_t levels, int64_t head_dim, int64_t chunk_bytes, const c10::optional<at::Tensor>& scale,
-                       const c10::optional<at::Tensor>& zero, int64_t T) {
-  if (!shift_unpackable(levels, head_dim, chunk_bytes) || levels > 16) return false;
-  for (const auto* p : {&scale, &zero})
-    if (p->has_value() && ((*p)->dim() != 4 || (*p)->size(3) != 1 || (*p)->size(2) != T)) return false;
-  return true;
-}
+};
 
 // The per-token parameter of token t (1 or 0 when absent).
 struct TokenParam {
@@ -1399,57 +1277,188 @@ struct TokenParam {
   }
 };
 
-// The folded per-token scores over rows made by `proto` (codes as table values, no affine map),
-// with `pos` the decoder's channel order.
-template <class Rows>
-at::Tensor token_param_scores(const at::Tensor& q, const Rows& proto, const std::vector<int64_t>& pos,
-                              const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
-                              int64_t B, int64_t H, int64_t M, int64_t D, int64_t T) {
-  const TokenParam sp(scale, 1.f), zp(zero, 0.f);
-  auto out = at::empty({B, H, M, T}, q.options());
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t chunks = (T + kChunk - 1) / kChunk;
-  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    Rows rows = proto;
-    // the decoder's row may be wider than D (DigitRows' padding): its extra positions meet zeros
-    const int64_t R = rows.width();
-    std::vector<float> qperm(M * R), qsum(M);
-    int64_t bound = -1;
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
-      rows.bind(b, h);
-      const float* qb = qp + bh * M * D;
-      float* ob = op + bh * M * T;
-      if (bh != bound) {
-        bound = bh;
-        for (int64_t m = 0; m < M; ++m) {
-          float acc = 0.f;
-          for (int64_t d = 0; d < D; ++d) {
-            qperm[m * R + pos[d]] = qb[m * D + d];
-            acc += qb[m * D + d];
-          }
-          qsum[m] = acc;
+// One scale and zero per token, either absent ([B, H_kv, T, 1]: TurboQuant's norms, KVQuant's per-token
+// value ranges, per-token affine codes of one group), and the decoder's channel order: the codes are
+// table values and x[t, d] = s_t table[c[t, d]] + z_t.
+struct TokenScalars {
+  static constexpr bool kRegisterCodes = false;  // their ShiftRows look a table up
+  TokenParam sp, zp;
+  const std::vector<int64_t>* pos;
+  TokenScalars(const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+               const std::vector<int64_t>& pos_)
+      : sp(scale, 1.f), zp(zero, 0.f), pos(&pos_) {}
+};
+
+// q . x_t = s_t (q . table[c_t]) + z_t sum(q).
+struct TokenScalarScores : TokenScalars {
+  using TokenScalars::TokenScalars;
+  int64_t M = 0, D = 0, R = 0, b = 0, h = 0;
+  std::vector<float> qperm, qsum;
+
+  KVB_INLINE void start(int64_t M_, int64_t D_, int64_t R_) {
+    M = M_, D = D_, R = R_;
+    qperm.assign(M * R, 0.f);
+    qsum.assign(M, 0.f);
+  }
+  KVB_INLINE void bind(int64_t b_, int64_t h_, const float* qb, bool new_head) {
+    b = b_, h = h_;
+    if (!new_head) return;
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        qperm[m * R + (*pos)[d]] = qb[m * D + d];
+        acc += qb[m * D + d];
+      }
+      qsum[m] = acc;
+    }
+  }
+  KVB_INLINE int64_t segment(int64_t, int64_t t1) const { return t1; }
+  KVB_INLINE const float* query() const { return qperm.data(); }
+  KVB_INLINE void finish(float* ob, int64_t T, int64_t t0, int64_t t1) const {
+    if (!sp.view.valid() && !zp.view.valid()) return;
+    for (int64_t u = t0; u < t1; ++u) {
+      const float s = sp.get(b, h, u), z = zp.get(b, h, u);
+      for (int64_t m = 0; m < M; ++m) ob[m * T + u] = s * ob[m * T + u] + z * qsum[m];
+    }
+  }
+};
+
+// -- mix folds ---------------------------------------------------------------------------------------
+
+// The weights as they are, the rows added straight into the output (R = D).
+struct PlainMix {
+  static constexpr bool kGroups = false, kRegisterCodes = false;
+  MixWeights wt;
+  KVB_INLINE void start(int64_t, int64_t, int64_t R) {
+    wt.width = R;
+    wt.vec = R % 8 == 0;
+  }
+  KVB_INLINE float* weigh(const float* pb, int64_t T, int64_t, int64_t, int64_t, int64_t, float* out) {
+    wt.base = pb;
+    wt.stride = T;
+    return out;
+  }
+  KVB_INLINE const MixWeights& weights() const { return wt; }
+  KVB_INLINE void finish(const float*, float*, int64_t, int64_t) const {}
+};
+
+// Per-token affine values (KIVI's): x[t, d] = c[t, d] s[t, d / G] + z[t, d / G], so
+// sum_t p_t x_t = sum_t (p_t s_t,g) c_t + sum_t p_t z_t,g: the weights are scaled per token and
+// channel group, and the zero term is one number per (row, group). The accumulator is kept in the
+// row decoder's channel order (`pos`; a permutation within each group) and put back in order once
+// per chunk.
+struct TokenGroupMix {
+  static constexpr bool kGroups = true, kRegisterCodes = true;
+  View4 sv, zv;
+  int64_t group = 1, ng = 1;
+  const std::vector<int64_t>* pos = nullptr;
+  int64_t M = 0, D = 0, R = 0;
+  MixWeights wt;
+  // the chunk's scales and zeros as float32 [kChunk, ng], then by group [ng, kChunk], the scaled
+  // weights p_t s_t,g [M, ng, kChunk] and the accumulator
+  std::vector<float> sc, zc, sg, zg, wsc, accp;
+
+  TokenGroupMix(const View4& sv_, const View4& zv_, int64_t D_, int64_t group_, const std::vector<int64_t>& pos_,
+                int64_t R_)
+      : sv(sv_), zv(zv_), group(group_), ng(D_ / group_), pos(&pos_) {
+    // a decoder row wider than D (DigitRows' padding) is permuted across the whole row, so it must
+    // hold one group
+    TORCH_CHECK(R_ == D_ || ng == 1, "a padded row order needs one channel group");
+  }
+  KVB_INLINE void start(int64_t M_, int64_t D_, int64_t R_) {
+    M = M_, D = D_, R = R_;
+    sc.assign(kChunk * ng, 0.f);
+    zc.assign(kChunk * ng, 0.f);
+    sg.assign(kChunk * ng, 0.f);
+    zg.assign(kChunk * ng, 0.f);
+    wsc.assign(M * kChunk * ng, 0.f);
+    accp.assign(M * R, 0.f);
+    wt = MixWeights{wsc.data(), kChunk, ng, R == D ? group : R, group % 8 == 0};
+  }
+  KVB_INLINE float* weigh(const float* pb, int64_t T, int64_t b, int64_t h, int64_t t0, int64_t n, float*) {
+    float* acc = accp.data();
+    std::fill(accp.begin(), accp.end(), 0.f);
+    for (const auto& [view, dst] : {std::pair{&sv, sc.data()}, std::pair{&zv, zc.data()}}) {
+      if (view->sd == 1 && view->st == ng) {
+        // the chunk's rows are one run of n * ng values (the doubling buffers' layout)
+        load_floats(view->at(b, h, t0, 0), view->type, 1, n * ng, dst);
+      } else {
+        for (int64_t u = 0; u < n; ++u) load_floats(view->at(b, h, t0 + u, 0), view->type, view->sd, ng, dst + u * ng);
+      }
+    }
+    for (int64_t u = 0; u < n; ++u)
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        sg[gi * kChunk + u] = sc[u * ng + gi];
+        zg[gi * kChunk + u] = zc[u * ng + gi];
+      }
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        // contiguous runs, and the zero term summed in vector lanes: one serial chain of n
+        // multiply-adds per (row, group) would cost more than the codes' dot products
+        const float* pm = pb + m * T;
+        const float* sgi = sg.data() + gi * kChunk;
+        const float* zgi = zg.data() + gi * kChunk;
+        float* wg = wsc.data() + (m * ng + gi) * kChunk;
+        float zsum = 0.f;
+#pragma omp simd reduction(+ : zsum)
+        for (int64_t u = 0; u < n; ++u) {
+          wg[u] = pm[u] * sgi[u];
+          zsum += pm[u] * zgi[u];
         }
-      }
-      const int64_t t0 = c * kChunk, t1 = std::min(T, (c + 1) * kChunk);
-      int64_t t = t0;
-      for (; t + kSlots <= t1; t += kSlots) {
-        const float* x[kSlots] = {rows(t, 0), rows(t + 1, 1), rows(t + 2, 2), rows(t + 3, 3)};
-        dot_rows4(qperm.data(), M, R, x, ob + t, T);
-      }
-      for (; t < t1; ++t) dot_rows(qperm.data(), M, R, rows(t, 0), ob + t, T);
-      if (sp.view.valid() || zp.view.valid()) {
-        for (int64_t u = t0; u < t1; ++u) {
-          const float s = sp.get(b, h, u), z = zp.get(b, h, u);
-          for (int64_t m = 0; m < M; ++m) ob[m * T + u] = s * ob[m * T + u] + z * qsum[m];
+        // the zero term at the positions of the group's channels (with one group: the whole
+        // row, padding included)
+        if (ng == 1) {
+          for (int64_t d = 0; d < R; ++d) acc[m * R + d] += zsum;
+        } else {
+          for (int64_t d = gi * group; d < (gi + 1) * group; ++d) acc[m * R + (*pos)[d]] += zsum;
         }
       }
     }
-  });
-  return out;
-}
+    return acc;
+  }
+  KVB_INLINE const MixWeights& weights() const { return wt; }
+  KVB_INLINE void finish(const float* acc, float* out, int64_t M_, int64_t D_) const {
+    for (int64_t m = 0; m < M_; ++m)
+      for (int64_t d = 0; d < D_; ++d) out[m * D_ + d] = acc[m * R + (*pos)[d]];
+  }
+};
 
+// sum_t p_t x_t = sum_t (p_t s_t) table[c_t] + sum_t p_t z_t.
+struct TokenScalarMix : TokenScalars {
+  using TokenScalars::TokenScalars;
+  static constexpr bool kGroups = false;
+  int64_t M = 0, R = 0;
+  MixWeights wt;
+  // the weights scaled per token, ws[m * kChunk + u] = p[m, t0 + u] s_(t0 + u), the accumulator and
+  // the zero term of each row
+  std::vector<float> ws, accp, zsum;
+
+  KVB_INLINE void start(int64_t M_, int64_t, int64_t R_) {
+    M = M_, R = R_;
+    ws.assign(M * kChunk, 0.f);
+    accp.assign(M * R, 0.f);
+    zsum.assign(M, 0.f);
+    wt = MixWeights{ws.data(), kChunk, 1, R, R % 8 == 0};
+  }
+  KVB_INLINE float* weigh(const float* pb, int64_t T, int64_t b, int64_t h, int64_t t0, int64_t n, float*) {
+    std::fill(accp.begin(), accp.end(), 0.f);
+    std::fill(zsum.begin(), zsum.end(), 0.f);
+    for (int64_t u = 0; u < n; ++u) {
+      const float s = sp.get(b, h, t0 + u), z = zp.get(b, h, t0 + u);
+      for (int64_t m = 0; m < M; ++m) {
+        const float pm = pb[m * T + u];
+        ws[m * kChunk + u] = pm * s;
+        zsum[m] += pm * z;
+      }
+    }
+    return accp.data();
+  }
+  KVB_INLINE const MixWeights& weights() const { return wt; }
+  KVB_INLINE void finish(const float* acc, float* out, int64_t M_, int64_t D_) const {
+    for (int64_t m = 0; m < M_; ++m)
+      for (int64_t d = 0; d < D_; ++d) out[m * D_ + d] = acc[m * R + (*pos)[d]] + zsum[m];
+  }
+};
 
 // Whether the parameters are absent or one number per token ([B, H_kv, T, 1]).
 bool per_token_params(const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero, int64_t T) {
@@ -1458,98 +1467,130 @@ bool per_token_params(const c10::optional<at::Tensor>& scale, const c10::optiona
   return true;
 }
 
+// Whether codebook codes (with per-token parameters) go through ShiftRows, which looks up to 16 table
+// values up in registers; other layouts and level counts use DigitRows (scores) or CodeRows.
+bool codebook_shiftable(int64_t levels, int64_t head_dim, int64_t chunk_bytes) {
+  return shift_unpackable(levels, head_dim, chunk_bytes) && levels <= 16;
+}
+
+}  // namespace
+
+// -- the kernels: one loop family, one decoder and one fold each ----------------------------------------
+
+at::Tensor fp_scores(const at::Tensor& query, const at::Tensor& keys) {
+  const int64_t B = query.size(0), H = query.size(1), D = query.size(3);
+  TORCH_CHECK(keys.size(3) == D && keys.stride(3) == 1, "keys must be [B, H_kv, T, D], D contiguous");
+  auto q = check_rows(query, "query", B, H);
+  return scores_over(q, keys.size(2), FloatRows(View4(keys), D), PlainScores{});
+}
+
+at::Tensor fp_mix(const at::Tensor& weights, const at::Tensor& values) {
+  const int64_t B = weights.size(0), H = weights.size(1);
+  TORCH_CHECK(values.size(2) == weights.size(3), "weights and values disagree on T");
+  auto p = check_rows(weights, "weights", B, H);
+  return mix_over(p, values.size(3), FloatRows(View4(values), values.size(3)), PlainMix{});
+}
+
+at::Tensor code_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& table,
+                       const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+                       int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes,
+                       int64_t scale_rows, int64_t zero_rows, const c10::optional<at::Tensor>& cos,
+                       const c10::optional<at::Tensor>& sin, int64_t rope_offset) {
+  const int64_t B = query.size(0), H = query.size(1);
+  TORCH_CHECK(query.size(3) == head_dim, "query must be [B, H_kv, M, head_dim]");
+  auto q = check_rows(query, "query", B, H);
+  CodeArgs a{codes, table, scale, zero, levels, head_dim, chunk_codes, chunk_bytes,
+             scale_rows, zero_rows, cos, sin, rope_offset};
+  return with_code_rows(a, B, H, [&](const CodeRows& rows) { return scores_over(q, codes.size(2), rows, PlainScores{}); });
+}
+
+at::Tensor code_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& table,
+                    const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
+                    int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes,
+                    int64_t scale_rows, int64_t zero_rows) {
+  const int64_t B = weights.size(0), H = weights.size(1);
+  TORCH_CHECK(codes.size(2) == weights.size(3), "weights and codes disagree on T");
+  auto p = check_rows(weights, "weights", B, H);
+  CodeArgs a{codes, table, scale, zero, levels, head_dim, chunk_codes, chunk_bytes,
+             scale_rows, zero_rows, c10::nullopt, c10::nullopt, 0};
+  return with_code_rows(a, B, H, [&](const CodeRows& rows) { return mix_over(p, head_dim, rows, PlainMix{}); });
+}
+
+// Per-channel affine codes (KIVI's keys): scale and zero [B, H_kv, T / G, D].
+at::Tensor affine_channel_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& scale,
+                                 const at::Tensor& zero, int64_t levels, int64_t head_dim,
+                                 int64_t chunk_codes, int64_t chunk_bytes, int64_t group) {
+  const int64_t B = query.size(0), H = query.size(1), D = head_dim, T = codes.size(2);
+  TORCH_CHECK(query.size(3) == D && group > 0, "query must be [B, H_kv, M, head_dim]");
+  auto q = check_rows(query, "query", B, H);
+  const View4 sv(scale), zv(zero);
+  TORCH_CHECK(sv.cols == D && sv.rows * group >= T, "scale must be [B, H_kv, T / G, D]");
+  const Decoder which = shift_unpackable(levels, D, chunk_bytes) ? Decoder::kShift : Decoder::kTable;
+  return with_raw_rows<false>(which, false, codes, identity_table(levels), levels, D, chunk_codes, chunk_bytes,
+                              [&](const auto& rows, const std::vector<int64_t>& pos) {
+                                return scores_over(q, T, rows, ChannelGroupScores(sv, zv, group, pos));
+                              });
+}
+
+// Per-token affine codes (KIVI's values): scale and zero [B, H_kv, T, D / G].
+at::Tensor affine_token_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& scale,
+                            const at::Tensor& zero, int64_t levels, int64_t head_dim, int64_t chunk_codes,
+                            int64_t chunk_bytes, int64_t group) {
+  const int64_t B = weights.size(0), H = weights.size(1), T = weights.size(3);
+  const int64_t D = head_dim;
+  TORCH_CHECK(codes.size(2) == T, "weights and codes disagree on T");
+  TORCH_CHECK(group > 0 && D % group == 0, "group must divide head_dim");
+  auto p = check_rows(weights, "weights", B, H);
+  const View4 sv(scale), zv(zero);
+  TORCH_CHECK(sv.cols == D / group && zv.cols == D / group, "scale and zero must be [B, H_kv, T, D / G]");
+  Decoder which = Decoder::kTable;
+  if (shift_unpackable(levels, D, chunk_bytes)) {
+    const int bits = __builtin_ctzll(levels);
+    // a group is whole 8-byte spans (64 / b channels), or half of one (each lane's codes then lie
+    // in one group: lanes 0-3 in the first)
+    if (group % (64 / bits) == 0 || 2 * group == 64 / bits) which = Decoder::kShift;
+  } else if (group == D && digit_rows_fit(levels, chunk_codes, chunk_bytes)) {
+    which = Decoder::kDigits;
+  }
+  return with_raw_rows<true>(which, false, codes, identity_table(levels), levels, D, chunk_codes, chunk_bytes,
+                             [&](const auto& rows, const std::vector<int64_t>& pos) {
+                               return mix_over(p, D, rows, TokenGroupMix(sv, zv, D, group, pos, rows.width()));
+                             });
+}
+
+// Codebook codes with an optional per-token scale and zero ([B, H_kv, T, 1]: TurboQuant's norms,
+// KVQuant's per-token value ranges); other parameter layouts go through code_scores / code_mix.
 at::Tensor codebook_token_scores(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& table,
                                  const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
                                  int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes) {
-  const int64_t B = query.size(0), H = query.size(1), M = query.size(2), D = head_dim, T = codes.size(2);
+  const int64_t B = query.size(0), H = query.size(1), D = head_dim, T = codes.size(2);
   if (!per_token_params(scale, zero, T))
     return code_scores(query, codes, table, scale, zero, levels, D, chunk_codes, chunk_bytes, 1, 1, c10::nullopt,
                        c10::nullopt, 0);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
-              "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
   auto q = check_rows(query, "query", B, H);
-  auto tab = table.to(at::kFloat).contiguous();
-  if (!codebook_foldable(levels, D, chunk_bytes, scale, zero, T)) {
-    // base-L words and other byte layouts: the vector digit decoder or the table decoder, still
-    // with the affine map folded
-#ifdef KVB_AVX2
-    if (digit_rows_fit(levels, chunk_codes, chunk_bytes))
-      return token_param_scores(q, DigitRows(codes, levels, D, chunk_codes, chunk_bytes, tab.data_ptr<float>()),
-                                digit_order(chunk_codes, D), scale, zero, B, H, M, D, T);
-#endif
-    const CodeTables tables = make_tables(tab, levels, chunk_codes, chunk_bytes);
-    const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
-    return token_param_scores(q, proto, identity_order(D), scale, zero, B, H, M, D, T);
-  }
-  const int bits = __builtin_ctzll(levels);
-  const ShiftRows proto(View4(codes), bits, D, tab.data_ptr<float>());
-  return token_param_scores(q, proto, shift_order(bits, D), scale, zero, B, H, M, D, T);
+  const Decoder which = codebook_shiftable(levels, D, chunk_bytes)            ? Decoder::kShift
+                        : digit_rows_fit(levels, chunk_codes, chunk_bytes) ? Decoder::kDigits
+                                                                           : Decoder::kTable;
+  return with_raw_rows<true>(which, true, codes, table, levels, D, chunk_codes, chunk_bytes,
+                             [&](const auto& rows, const std::vector<int64_t>& pos) {
+                               return scores_over(q, T, rows, TokenScalarScores(scale, zero, pos));
+                             });
 }
-
-template <class Rows>
-at::Tensor token_param_mix(const at::Tensor& p, const Rows& proto, const std::vector<int64_t>& pos,
-                           const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
-                           int64_t B, int64_t H, int64_t M, int64_t D, int64_t T) {
-  const TokenParam sp(scale, 1.f), zp(zero, 0.f);
-  const int64_t chunks = std::max<int64_t>(1, (T + kChunk - 1) / kChunk);
-  auto partial = at::zeros({B * H, chunks, M, D}, p.options());
-  const float* pp = p.data_ptr<float>();
-  float* part = partial.data_ptr<float>();
-  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
-    Rows rows = proto;
-    std::vector<float> ws(M * kChunk), accp(M * D), zsum(M);
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t bh = w / chunks, c = w % chunks, b = bh / H, h = bh % H;
-      rows.bind(b, h);
-      const float* pb = pp + bh * M * T;
-      const int64_t t0 = c * kChunk, t1 = std::min(T, (c + 1) * kChunk), n = t1 - t0;
-      if (n <= 0) continue;
-      std::fill(accp.begin(), accp.end(), 0.f);
-      std::fill(zsum.begin(), zsum.end(), 0.f);
-      // the weights scaled per token: ws[m * kChunk + u] = p[m, t0 + u] s_(t0 + u)
-      for (int64_t u = 0; u < n; ++u) {
-        const float s = sp.get(b, h, t0 + u), z = zp.get(b, h, t0 + u);
-        for (int64_t m = 0; m < M; ++m) {
-          const float pm = pb[m * T + t0 + u];
-          ws[m * kChunk + u] = pm * s;
-          zsum[m] += pm * z;
-        }
-      }
-      int64_t u = 0;
-      for (; u + kSlots <= n; u += kSlots) {
-        const float* x[kSlots] = {rows(t0 + u, 0), rows(t0 + u + 1, 1), rows(t0 + u + 2, 2), rows(t0 + u + 3, 3)};
-        axpy_rows4(ws.data() + u, kChunk, M, D, x, accp.data());
-      }
-      for (; u < n; ++u) axpy_rows(ws.data() + u, kChunk, M, D, rows(t0 + u, 0), accp.data());
-      float* out = part + w * M * D;
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t d = 0; d < D; ++d) out[m * D + d] = accp[m * D + pos[d]] + zsum[m];
-    }
-  });
-  return partial.sum(1).view({B, H, M, D});
-}
-
 
 at::Tensor codebook_token_mix(const at::Tensor& weights, const at::Tensor& codes, const at::Tensor& table,
                               const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& zero,
                               int64_t levels, int64_t head_dim, int64_t chunk_codes, int64_t chunk_bytes) {
-  const int64_t B = weights.size(0), H = weights.size(1), M = weights.size(2), T = weights.size(3);
+  const int64_t B = weights.size(0), H = weights.size(1), T = weights.size(3);
   const int64_t D = head_dim;
   TORCH_CHECK(codes.size(2) == T, "weights and codes disagree on T");
   if (!per_token_params(scale, zero, T))
     return code_mix(weights, codes, table, scale, zero, levels, D, chunk_codes, chunk_bytes, 1, 1);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.stride(3) == 1,
-              "codes must be uint8 [B, H_kv, T, bytes], contiguous along the bytes");
   auto p = check_rows(weights, "weights", B, H);
-  auto tab = table.to(at::kFloat).contiguous();
-  if (!codebook_foldable(levels, D, chunk_bytes, scale, zero, T)) {
-    const CodeTables tables = make_tables(tab, levels, chunk_codes, chunk_bytes);
-    const CodeRows proto = raw_code_rows(codes, levels, D, chunk_codes, chunk_bytes, tables);
-    return token_param_mix(p, proto, identity_order(D), scale, zero, B, H, M, D, T);
-  }
-  const int bits = __builtin_ctzll(levels);
-  const ShiftRows proto(View4(codes), bits, D, tab.data_ptr<float>());
-  return token_param_mix(p, proto, shift_order(bits, D), scale, zero, B, H, M, D, T);
+  const Decoder which = codebook_shiftable(levels, D, chunk_bytes) ? Decoder::kShift : Decoder::kTable;
+  return with_raw_rows<false>(which, true, codes, table, levels, D, chunk_codes, chunk_bytes,
+                              [&](const auto& rows, const std::vector<int64_t>& pos) {
+                                return mix_over(p, D, rows, TokenScalarMix(scale, zero, pos));
+                              });
 }
 
 // v, hidden from the optimiser, so that no multiply-add is fused across it.
@@ -1569,6 +1610,22 @@ inline float round_to(at::ScalarType type, float x) {
   if (type == at::kBFloat16) return static_cast<float>(c10::BFloat16(x));
   return x;
 }
+
+namespace {
+
+// One row of codes packed as kvbench.quant.packing.pack does: chunks of c base-L digits, code i the
+// i-th digit, each chunk a little-endian word of m bytes.
+void pack_row(const uint8_t* codes, int64_t chunks, int64_t chunk_codes, int64_t chunk_bytes, int64_t levels,
+              uint8_t* out) {
+  for (int64_t j = 0; j < chunks; ++j) {
+    uint64_t word = 0, weight = 1;
+    for (int64_t i = 0; i < chunk_codes; ++i, weight *= static_cast<uint64_t>(levels))
+      word += codes[j * chunk_codes + i] * weight;
+    for (int64_t k = 0; k < chunk_bytes; ++k) out[j * chunk_bytes + k] = static_cast<uint8_t>(word >> (8 * k));
+  }
+}
+
+}  // namespace
 
 // Per-token affine quantization and packing of new tokens (the append of KIVI's value store),
 // bit-identical to kvbench.quant.affine.quantize_grouped(axis="token") followed by
@@ -1640,13 +1697,7 @@ std::vector<at::Tensor> token_quantize_pack(const at::Tensor& x, int64_t levels,
         sp[r * ng + gi] = s;
         zp[r * ng + gi] = z;
       }
-      uint8_t* out = pp + r * chunks * chunk_bytes;
-      for (int64_t j = 0; j < chunks; ++j) {
-        uint64_t word = 0, weight = 1;
-        for (int64_t i = 0; i < chunk_codes; ++i, weight *= static_cast<uint64_t>(levels))
-          word += codes[j * chunk_codes + i] * weight;
-        for (int64_t k = 0; k < chunk_bytes; ++k) out[j * chunk_bytes + k] = static_cast<uint8_t>(word >> (8 * k));
-      }
+      pack_row(codes.data(), chunks, chunk_codes, chunk_bytes, levels, pp + r * chunks * chunk_bytes);
     }
   });
   return {packed, scale.to(kept), zero.to(kept)};
@@ -1745,13 +1796,7 @@ std::vector<at::Tensor> dense_sparse_quantize_pack(const at::Tensor& x, const at
         codes[d] = static_cast<uint8_t>(c);
       }
       for (int64_t d = D; d < chunks * chunk_codes; ++d) codes[d] = 0;
-      uint8_t* out = pp + r * chunks * chunk_bytes;
-      for (int64_t j = 0; j < chunks; ++j) {
-        uint64_t word = 0, weight = 1;
-        for (int64_t i = 0; i < chunk_codes; ++i, weight *= static_cast<uint64_t>(levels))
-          word += codes[j * chunk_codes + i] * weight;
-        for (int64_t k = 0; k < chunk_bytes; ++k) out[j * chunk_bytes + k] = static_cast<uint8_t>(word >> (8 * k));
-      }
+      pack_row(codes.data(), chunks, chunk_codes, chunk_bytes, levels, pp + r * chunks * chunk_bytes);
     }
   });
   // entries in token order, then batch, head, channel
