@@ -11,6 +11,8 @@ import torch
 from kvbench import paths
 from kvbench.config import inert, model_name_from, not_in_run_id
 from kvbench.errors import ConfigError
+from kvbench.models.act_quant import KEYS as ACT_QUANT_KEYS
+from kvbench.models.act_quant import act_quant_tag, check_act_quant
 from kvbench.models.weight_quant import KEYS as WEIGHT_QUANT_KEYS
 from kvbench.models.weight_quant import check_weight_quant, weight_quant_tag
 
@@ -61,6 +63,13 @@ class ModelConfig:
     run id, so every run made before the option keeps its id. The GGUF conversion cache holds the
     unquantized weights under the name without the suffix (:attr:`source_name`): RTN is applied in
     memory on every load, so no cached file ever holds quantized weights of one setting for another.
+
+    ``act_quant`` (null by default: activations as computed) is ``{bits: A}``: the input of every
+    linear layer ``weight_quant`` quantizes is fake-quantized per token by the same RTN, one min-max
+    range over each token's channels (:mod:`kvbench.models.act_quant`), the W-A setting of the
+    quantization papers. It is part of the model's identity as ``weight_quant`` is: the name gains
+    ``-a<A>`` after the weights' tag (``smollm2-135m-rtn-w4g64-a8``; ``-rtn-a<A>`` on weights as
+    loaded), the weights note says so, and null is left out of the run id.
     """
 
     name: str | None = None
@@ -82,6 +91,8 @@ class ModelConfig:
     shape: dict[str, float] | None = not_in_run_id()
     # RTN weight fake-quantization, {bits, group_size}; null: the weights as loaded
     weight_quant: dict[str, int] | None = inert(None)
+    # per-token RTN activation fake-quantization of the same layers' inputs, {bits}; null: as computed
+    act_quant: dict[str, int] | None = inert(None)
 
     def __post_init__(self) -> None:
         self._check_source()
@@ -94,9 +105,13 @@ class ModelConfig:
                     "required; give a string (only model.path or model.gguf name a model by themselves)",
                 )
         check_weight_quant(self.weight_quant)
+        check_act_quant(self.act_quant)
         if self.weight_quant is not None:
             self.weight_quant = {k: self.weight_quant[k] for k in WEIGHT_QUANT_KEYS}
-            tag = weight_quant_tag(self.weight_quant)
+        if self.act_quant is not None:
+            self.act_quant = {k: self.act_quant[k] for k in ACT_QUANT_KEYS}
+        tag = self._quant_tag()
+        if tag:
             # idempotent: a config rebuilt from this one's fields keeps one suffix
             if not self.name.endswith(f"-{tag}"):
                 self.name = f"{self.name}-{tag}"
@@ -227,17 +242,37 @@ class ModelConfig:
             for i in range(1, self.gguf_parts + 1)
         ]
 
+    def _quant_tag(self) -> str:
+        """The name's suffix for the weight and activation quantization (no dash before it):
+        ``rtn-w4g64``, ``rtn-w4g64-a8``, ``rtn-a8``; empty for neither."""
+        if self.weight_quant is None and self.act_quant is None:
+            return ""
+        if self.act_quant is None:
+            return weight_quant_tag(self.weight_quant)
+        if self.weight_quant is None:
+            return f"rtn-{act_quant_tag(self.act_quant)}"
+        return f"{weight_quant_tag(self.weight_quant)}-{act_quant_tag(self.act_quant)}"
+
     def _weight_quant_note(self) -> str:
-        wq = self.weight_quant or {}
-        return (
-            f"RTN weight fake-quantization: {wq.get('bits')}-bit, groups of {wq.get('group_size')} "
-            "input channels (transformer blocks' linear layers)"
-        )
+        words = []
+        if self.weight_quant is not None:
+            wq = self.weight_quant
+            words.append(
+                f"RTN weight fake-quantization: {wq.get('bits')}-bit, groups of {wq.get('group_size')} "
+                "input channels (transformer blocks' linear layers)"
+            )
+        if self.act_quant is not None:
+            words.append(
+                f"RTN activation fake-quantization: {self.act_quant.get('bits')}-bit, per token "
+                "(the inputs of the transformer blocks' linear layers)"
+            )
+        return "; ".join(words)
 
     @property
     def source_weights_note(self) -> str:
-        """The weights note of the weights as loaded, without the weight quantization's words."""
-        if self.weight_quant is None:
+        """The weights note of the weights as loaded, without the weight (and activation)
+        quantization's words."""
+        if not self._quant_tag():
             return self.weights_note
         note = self._weight_quant_note()
         return self.weights_note.replace(f"; {note}", "").replace(note, "")
@@ -246,9 +281,9 @@ class ModelConfig:
     def source_name(self) -> str:
         """The name without the weight quantization's suffix: the model the weights are loaded as
         (the folder a package's GGUF converts into)."""
-        if self.weight_quant is None:
+        if not self._quant_tag():
             return str(self.name)
-        tag = f"-{weight_quant_tag(self.weight_quant)}"
+        tag = f"-{self._quant_tag()}"
         return str(self.name)[: -len(tag)] if str(self.name).endswith(tag) else str(self.name)
 
     @property

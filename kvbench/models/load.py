@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kvbench.errors import ConfigError
+from kvbench.models.act_quant import fake_quantize_activations
 from kvbench.models.config import DTYPES, ModelConfig
 from kvbench.models.files import check_safetensors
 from kvbench.models.gguf import check_gguf, converted_dir, ensure_converted
@@ -34,7 +35,9 @@ def load_model(
     function for, transformers passes ``attention_mask=None``, silently dropping padding.
 
     With ``cfg.weight_quant`` set, the transformer blocks' linear weights are then replaced by their
-    RTN fake-quantized values (:func:`kvbench.models.weight_quant.fake_quantize_model`).
+    RTN fake-quantized values (:func:`kvbench.models.weight_quant.fake_quantize_model`); with
+    ``cfg.act_quant`` set, their inputs are RTN fake-quantized per token
+    (:func:`kvbench.models.act_quant.fake_quantize_activations`).
     """
     if cfg.source == "path":
         folder = _local_folder(cfg.path)
@@ -48,6 +51,8 @@ def load_model(
     model = _freeze(model)
     # RTN weight fake-quantization (model.weight_quant), in memory on every load: no cache holds it
     fake_quantize_model(model, cfg.weight_quant)
+    # per-token RTN of the same layers' inputs (model.act_quant): forward pre-hooks on the model
+    fake_quantize_activations(model, cfg.act_quant)
     return model, tokenizer
 
 

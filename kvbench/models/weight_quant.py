@@ -130,26 +130,33 @@ class LoadedWeights:
 
     def __init__(self, kept: list[tuple[torch.nn.Linear, torch.Tensor]]):
         self.kept = kept
+        # the model's activation fake-quantization (kvbench.models.act_quant.ActivationQuant), if any
+        self.activations = None
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
-        """Inside: every quantized linear computes with its weight as loaded (the parameter's data
-        is pointed at the kept copy; nothing is copied). On leaving, by any exit, each parameter
-        points at its quantized data again, so the model outside is exactly the quantized one."""
+        """Inside: the model as loaded. Every quantized linear computes with its weight as loaded
+        (the parameter's data is pointed at the kept copy; nothing is copied), and the activation
+        fake-quantization (``model.act_quant``), if any, is paused. On leaving, by any exit, each
+        parameter points at its quantized data again and the activations are quantized again, so
+        the model outside is exactly the quantized one."""
         swapped: list[tuple[torch.nn.Linear, torch.Tensor]] = []
+        paused = self.activations.paused() if self.activations is not None else contextlib.nullcontext()
         try:
-            for module, original in self.kept:
-                swapped.append((module, module.weight.data))
-                module.weight.data = original
-            yield
+            with paused:
+                for module, original in self.kept:
+                    swapped.append((module, module.weight.data))
+                    module.weight.data = original
+                yield
         finally:
             for module, quantized in swapped:
                 module.weight.data = quantized
 
 
 def loaded_weights(model: torch.nn.Module) -> LoadedWeights | None:
-    """The weights as loaded of a model that :func:`fake_quantize_model` quantized; None for a model
-    with its weights as loaded (no ``model.weight_quant``)."""
+    """The weights as loaded of a model that :func:`fake_quantize_model` quantized (or whose
+    activations :func:`kvbench.models.act_quant.fake_quantize_activations` quantized); None for a
+    model as loaded (neither ``model.weight_quant`` nor ``model.act_quant``)."""
     return getattr(model, LOADED_WEIGHTS_ATTR, None)
 
 
