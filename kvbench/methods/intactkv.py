@@ -46,6 +46,24 @@ Where the pivot KV comes from (``pivot``):
   lm-eval scoring); probe tasks that run a forward of their own (attention captures) do not
   prefill through the method.
 
+Whether the pivot KV is stored at full precision (``pivot_bits``):
+
+- null (the default; every run made before the option): the pivot entries are held in
+  ``fp_dtype``, lossless, as above (the paper's weight-only setting, Tables 1 and 3-5).
+- ``B`` (2..8): the paper's weight-activation setting (its Table 6, "表6", OmniQuant and QuaRot at
+  W4A4, and the paragraph above it: with activations quantized the KV cache must be fully low-bit,
+  so IntactKV itself is quantized too, its pivot KV being flat enough that little is lost). Every
+  pivot entry, key and value, is RTN-quantized per token, asymmetrically over its head's D
+  channels, at ``L = 2^B`` levels (the affine quantizer of :mod:`kvbench.quant.affine`,
+  ``z = min x``, ``s = (max x - min x) / (L - 1)``, ``c = clamp(floor((x - z) / s + 0.5), 0, L - 1)``,
+  ``x' = c * s + z``), and held as packed codes with a scale and a zero per entry in ``fp_dtype``
+  (a per-token :class:`~kvbench.cache.quantized.QuantizedTokens` in the sink,
+  :meth:`kvbench.cache.sink.SinkLayer.hold_in`): attention reads the dequantized pivot, and the
+  accounting counts its codes, scales and zeros with the base's. With ``pivot: full_precision``
+  the entries quantized are the full-precision model's; with ``model``, the model's own. A base
+  whose layers keep no sink of their own making (KVQuant keeps its sink inside its layer) is
+  refused (ConfigError on ``method.pivot_bits``, when the cache is made).
+
 The paper's optional calibration of the cached pivot KV (a training step minimising
 ``1/2 sum_l ||f_l(w, x) - f_l(ŵ, x; Θ)||^2`` over the IntactKV ``Θ``) is not implemented.
 
@@ -62,6 +80,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.cache.batch import SequenceBatchCache
+from kvbench.cache.quantized import QuantizedTokens
+from kvbench.cache.sink import SinkLayer
 from kvbench.config import check_choice, inert, require
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, MethodConfig, build_method, register_method
@@ -69,6 +89,8 @@ from kvbench.models.weight_quant import LoadedWeights, loaded_weights
 
 # Where the pivot tokens' KV comes from (module docstring).
 PIVOTS = ("model", "full_precision")
+# The widths the pivot KV may be stored at (pivot_bits; null: fp_dtype).
+PIVOT_BITS = range(2, 9)
 
 
 @dataclass
@@ -78,6 +100,8 @@ class IntactKVConfig(MethodConfig):
     base: dict[str, Any] = field(default_factory=lambda: {"name": "kivi"})
     # inert: the runs made before the option computed the pivot KV with the model at hand
     pivot: str = inert("model")
+    # inert: null (the pivot KV in fp_dtype) is every run made before the option
+    pivot_bits: int | None = inert(None)
 
     default_bits: ClassVar[float] = 2.0
 
@@ -96,6 +120,16 @@ class IntactKVConfig(MethodConfig):
             "the node of another method (e.g. kivi, uniform)",
         )
         check_choice("method.pivot", self.pivot, PIVOTS)
+        bits = self.pivot_bits
+        if bits is not None and (
+            isinstance(bits, bool) or not isinstance(bits, int) or bits not in PIVOT_BITS
+        ):
+            raise ConfigError(
+                "method.pivot_bits",
+                bits,
+                f"null (the pivot KV in fp_dtype), or an integer from {PIVOT_BITS.start} to "
+                f"{PIVOT_BITS.stop - 1} (per-token RTN codes)",
+            )
         # the sliding-window rule is the wrapper's: the runner reads it from this config
         # the backend too (unless the base sets its own): the base's layers are the ones that store
         # and read, and a base that does not implement it refuses it here
@@ -110,7 +144,8 @@ class IntactKVConfig(MethodConfig):
         self.base_method = build_method(node)
 
     def stored_levels(self):
-        return self.base_method.config.stored_levels()
+        own = () if self.pivot_bits is None else (2**self.pivot_bits,)
+        return self.base_method.config.stored_levels() + own
 
     def check_model(self, shape):
         self.base_method.config.check_model(shape)
@@ -131,7 +166,25 @@ class IntactKV(Method):
         self.weights: LoadedWeights | None = None  # pivot=full_precision: the weights as loaded
 
     def new_cache(self, shape, model_dtype):
-        return self.config.base_method.new_cache(shape, model_dtype)
+        cache = self.config.base_method.new_cache(shape, model_dtype)
+        bits = self.config.pivot_bits
+        if bits is None:
+            return cache
+        sinks = [layer for layer in cache.layers if isinstance(layer, SinkLayer)]
+        if not sinks:
+            raise ConfigError(
+                "method.pivot_bits",
+                bits,
+                f"null with base {self.config.base_method.registered_name}, whose layers keep no "
+                "separate sink to quantize; or a base built on the common layers (uniform, kivi, fp16)",
+            )
+        param_dtype = self.config.torch_fp_dtype(model_dtype)
+        backend = self.config.storage_backend()
+        for layer in sinks:
+            layer.hold_in(
+                lambda: QuantizedTokens(2**bits, "token", None, param_dtype=param_dtype, backend=backend)
+            )
+        return cache
 
     # the cache is the base method's: so is the prefill, unless the pivot KV is the full-precision
     # model's (then the prefill is two forwards of its own)
@@ -152,9 +205,9 @@ class IntactKV(Method):
             raise ConfigError(
                 "method.pivot",
                 self.config.pivot,
-                "full_precision only on a weight-quantized model (model.weight_quant set): this "
-                "model's weights are already the full-precision ones, so its pivot KV is the "
-                "model's own; use pivot=model (the default), or set model.weight_quant "
+                "full_precision only on a weight- or activation-quantized model (model.weight_quant "
+                "or model.act_quant set): this model is already the full-precision one, so its pivot "
+                "KV is the model's own; use pivot=model (the default), or set model.weight_quant "
                 f"(allowed: {', '.join(PIVOTS)})",
             )
 
@@ -191,7 +244,8 @@ class IntactKV(Method):
 
     def base_label(self) -> str:
         pivot = "fp" if self.config.pivot == "full_precision" else ""
-        return f"intactkv{self.config.tokens}{pivot}-{self.config.base_method.base_label()}"
+        stored = "" if self.config.pivot_bits is None else f"-pivot{self.config.pivot_bits}b"
+        return f"intactkv{self.config.tokens}{pivot}{stored}-{self.config.base_method.base_label()}"
 
     def label(self) -> str:
         return self.base_label()
