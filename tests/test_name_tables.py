@@ -45,7 +45,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("kvbench/analysis/tables.py", "fp16"): BASELINE,
     ("kvbench/stats/comparison.py", "fp16"): BASELINE,
     ("kvbench/results.py", "fp16"): BASELINE,
-    ("kvbench/run.py", "fp16"): BASELINE,
+    ("kvbench/spec.py", "fp16"): BASELINE,
     ("kvbench/lmeval.py", "fp16"): BASELINE,
     ("kvbench/launchers.py", "fp16"): BASELINE,
     ("kvbench/methods/base.py", "fp16"): BASELINE,

@@ -274,7 +274,14 @@ STRONG = sorted(p.stem for p in (Path(CONF_DIR) / "experiment" / "strong").glob(
 
 
 def test_strong_profile_runs_only_the_nodes_with_a_second_model_variant(workdir, capsys):
-    assert STRONG == ["intactkv_ppl", "kivi_group_ablation", "kivi_gsm8k", "ott_vs_kivi", "specache_hitrate"]
+    assert STRONG == [
+        "intactkv_ppl",
+        "kivi_axis_ablation",
+        "kivi_group_ablation",
+        "kivi_gsm8k",
+        "ott_vs_kivi",
+        "specache_hitrate",
+    ]
     assert reproduce.profile_nodes(reproduce.discover(), "strong", None) == STRONG
     assert reproduce.profile_nodes(["semkv_cliff"], "cpu", None) == ["semkv_cliff"]
     # a node named by --only stays, and fails with the file to add
