@@ -19,6 +19,13 @@ row of the two modes is compared, every column but timings: the sharing must cha
     python scripts/bench_samples.py --node attention_probe --override task.windows=2
     python scripts/bench_samples.py --node kivi_axis_ablation --override task.windows=3 --reps 2
     python scripts/bench_samples.py --suite benchmarks/throughput.csv      # the committed table
+    python scripts/bench_samples.py --node kivi_axis_ablation --override task.windows=2 --flops
+
+``--flops`` times nothing: it runs each mode once under torch's ``FlopCounterMode`` and prints the
+floating-point operations of the aten matrix products (the model's linear layers, its attention
+products, the probe's exact attention; the compiled kernels' reads of stored codes are not
+counted), per sample, and their ratio: the speedup the sharing could reach if every operation ran
+at the same rate, the ceiling the timed ratio is read against.
 """
 
 from __future__ import annotations
@@ -99,6 +106,27 @@ def run_node(configs: list[dict], mode: str) -> tuple[float, float, int, list[di
             rows.append({**json.loads(line), "job": job})
         samples += metrics["timings"]["samples_run"]
     return time.perf_counter() - t0, time.process_time() - c0, samples, rows
+
+
+def count_flops(node: str, overrides: list[str], jobs: int | None) -> dict:
+    """FLOPs of the aten matrix products of every job of ``node`` in each mode (one run each, not
+    timed), per sample, and the separate/shared ratio."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out: dict = {"node": node, "overrides": " ".join(overrides)}
+    for mode in ("separate", "shared"):
+        root = Path(tempfile.mkdtemp(prefix=f"flops-{node}-{mode}-"))
+        try:
+            configs = compose_jobs(node, overrides, jobs, root)
+            with FlopCounterMode(display=False) as counter:
+                _, _, samples, _ = run_node(configs, mode)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        out["arms"], out["samples"] = len(configs), samples
+        out[f"{mode}_gflop"] = round(counter.get_total_flops() / 1e9, 1)
+        out[f"{mode}_gflop_per_sample"] = round(counter.get_total_flops() / 1e9 / samples, 2)
+    out["flop_ratio"] = round(out["separate_gflop"] / out["shared_gflop"], 2)
+    return out
 
 
 def _strip(row: dict) -> dict:
@@ -200,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--table", type=Path, help="print the markdown table of a suite CSV written before")
+    p.add_argument("--flops", action="store_true", help="count each mode's FLOPs once instead of timing")
     args = p.parse_args(argv)
     if args.table is not None:
         with args.table.open() as f:
@@ -209,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite is None and args.node is None:
         p.error("--node NAME or --suite CSV")
     plan = SUITE if args.suite is not None else [("-", args.node, args.override, args.jobs)]
+    if args.flops:
+        rows = [{"task": t, **count_flops(n, o, j)} for t, n, o, j in plan]
+        writer = csv.DictWriter(sys.stdout, list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        return 0
     results = [bench(t, n, o, j, args.reps, args.threads) for t, n, o, j in plan]
     fields = list(results[0])
     writer = csv.DictWriter(sys.stdout, fields)
