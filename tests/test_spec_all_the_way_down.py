@@ -306,8 +306,8 @@ NODE_POINTS = [
     (
         "ott_vs_kivi",
         {"+experiment/arms/ott_vs_kivi@method": "ott", "bits": "2", "seed": "0"},
-        "niah/smollm2-135m/ott-2b/seed0-f9dd8c0365d3",
-        "795c5e3a4a4d0f0733578f9fd758e9088dcc79e4a26bacf95590efe786cbbd4e",
+        "niah/smollm2-135m/ott-2b/seed0-748dfaf44669",
+        "28a9f5cfde320f5db3cb52f2093a6a1d3ba59e34ea47e2bc4c6e2b1b02f1e8df",
     ),
     (
         "kivi_gsm8k",
