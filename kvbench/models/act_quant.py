@@ -35,11 +35,15 @@ from collections.abc import Iterator
 
 import torch
 
-from kvbench.errors import ConfigError
-from kvbench.models.weight_quant import LOADED_WEIGHTS_ATTR, LoadedWeights, block_linears, loaded_weights
+from kvbench.models.weight_quant import (
+    LOADED_WEIGHTS_ATTR,
+    LoadedWeights,
+    block_linears,
+    check_rtn_option,
+    loaded_weights,
+    rtn_last_axis,
+)
 
-# The activation widths RTN is defined for here: 2^A - 1 levels above zero, at most 8 bits.
-BITS = range(2, 9)
 # The keys of ``model.act_quant``.
 KEYS = ("bits",)
 
@@ -49,20 +53,9 @@ def check_act_quant(value: object) -> None:
     what is allowed otherwise."""
     if value is None:
         return
-    if not isinstance(value, dict):
-        raise ConfigError(
-            "model.act_quant", value, "null, or {bits: 2..8} (per-token RTN activation fake-quantization)"
-        )
-    for key in value:
-        if key not in KEYS:
-            raise ConfigError(
-                f"model.act_quant.{key}", value[key], f"unknown key; allowed: {', '.join(KEYS)}"
-            )
-    if "bits" not in value:
-        raise ConfigError("model.act_quant", value, "needs bits")
-    bits = value["bits"]
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
-        raise ConfigError("model.act_quant.bits", bits, f"an integer from {BITS.start} to {BITS.stop - 1}")
+    check_rtn_option(
+        "model.act_quant", value, KEYS, "null, or {bits: 2..8} (per-token RTN activation fake-quantization)"
+    )
 
 
 def act_quant_tag(value: dict[str, int]) -> str:
@@ -74,16 +67,7 @@ def act_quant_tag(value: dict[str, int]) -> str:
 def rtn_fake_quantize_tokens(x: torch.Tensor, bits: int) -> torch.Tensor:
     """``x [..., C]`` through per-token RTN (the module docstring's equations): each row of the
     last axis over its own min-max range; same shape and dtype."""
-    w = x.detach().to(torch.float32)
-    top = float(2**bits - 1)
-    lo = w.amin(dim=-1, keepdim=True)
-    hi = w.amax(dim=-1, keepdim=True)
-    scale = (hi - lo) / top
-    flat = scale == 0
-    safe = torch.where(flat, torch.ones_like(scale), scale)
-    zero = torch.round(-lo / safe)
-    q = torch.clamp(torch.round(w / safe) + zero, 0, top)
-    return torch.where(flat, w, (q - zero) * safe).to(x.dtype)
+    return rtn_last_axis(x.detach().to(torch.float32), bits).to(x.dtype)
 
 
 class ActivationQuant:

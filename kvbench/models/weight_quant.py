@@ -48,27 +48,33 @@ def check_weight_quant(value: object) -> None:
     layer's input width is checked on the weights (:func:`fake_quantize_model`)."""
     if value is None:
         return
-    if not isinstance(value, dict):
-        raise ConfigError(
-            "model.weight_quant", value, "null, or {bits: 2..8, group_size: N} (RTN weight fake-quantization)"
-        )
-    for key in value:
-        if key not in KEYS:
-            raise ConfigError(
-                f"model.weight_quant.{key}", value[key], f"unknown key; allowed: {', '.join(KEYS)}"
-            )
-    missing = [k for k in KEYS if k not in value]
-    if missing:
-        raise ConfigError("model.weight_quant", value, f"needs {' and '.join(missing)} as well")
-    bits, group = value["bits"], value["group_size"]
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
-        raise ConfigError("model.weight_quant.bits", bits, f"an integer from {BITS.start} to {BITS.stop - 1}")
+    allowed = "null, or {bits: 2..8, group_size: N} (RTN weight fake-quantization)"
+    check_rtn_option("model.weight_quant", value, KEYS, allowed)
+    group = value["group_size"]
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         raise ConfigError(
             "model.weight_quant.group_size",
             group,
             "a positive integer that divides every layer's input width",
         )
+
+
+def check_rtn_option(key: str, value: object, keys: tuple[str, ...], allowed: str) -> None:
+    """The checks ``model.weight_quant`` and ``model.act_quant`` share: ``value`` (not null) is a dict
+    of exactly ``keys`` (``allowed`` says what the option takes) whose ``bits`` is an integer in
+    :data:`BITS`; a ConfigError naming the key, the value and what is allowed otherwise."""
+    if not isinstance(value, dict):
+        raise ConfigError(key, value, allowed)
+    for name in value:
+        if name not in keys:
+            raise ConfigError(f"{key}.{name}", value[name], f"unknown key; allowed: {', '.join(keys)}")
+    missing = [k for k in keys if k not in value]
+    if missing:
+        also = " as well" if len(keys) > 1 else ""
+        raise ConfigError(key, value, f"needs {' and '.join(missing)}{also}")
+    bits = value["bits"]
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
+        raise ConfigError(f"{key}.bits", bits, f"an integer from {BITS.start} to {BITS.stop - 1}")
 
 
 def weight_quant_tag(value: dict[str, int]) -> str:
@@ -85,6 +91,13 @@ def rtn_fake_quantize(weight: torch.Tensor, bits: int, group_size: int) -> torch
     if in_features % group_size:
         raise ValueError(f"group_size {group_size} does not divide in_features {in_features}")
     w = weight.detach().to(torch.float32).reshape(out_features, in_features // group_size, group_size)
+    return rtn_last_axis(w, bits).reshape(out_features, in_features).to(weight.dtype)
+
+
+def rtn_last_axis(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """The module docstring's RTN of float32 ``w [..., n]``, each row of the last axis over its own
+    min-max range (a constant row kept as it is); float32, same shape. The weights' groups and the
+    activations' tokens (:mod:`kvbench.models.act_quant`) are such rows."""
     top = float(2**bits - 1)
     lo = w.amin(dim=-1, keepdim=True)
     hi = w.amax(dim=-1, keepdim=True)
@@ -93,8 +106,7 @@ def rtn_fake_quantize(weight: torch.Tensor, bits: int, group_size: int) -> torch
     safe = torch.where(flat, torch.ones_like(scale), scale)
     zero = torch.round(-lo / safe)
     q = torch.clamp(torch.round(w / safe) + zero, 0, top)
-    dq = torch.where(flat, w, (q - zero) * safe)
-    return dq.reshape(out_features, in_features).to(weight.dtype)
+    return torch.where(flat, w, (q - zero) * safe)
 
 
 def block_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
