@@ -163,6 +163,24 @@ def local_tasks_only(monkeypatch):
     return LocalTaskManager
 
 
+@pytest.fixture
+def h2o_prompt_queries(monkeypatch) -> list[int]:
+    """The query lengths of every eager attention H2O computes with more than one query (its prompt
+    prefills), in call order, while the test runs."""
+    import kvbench.methods.h2o as h2o_module
+
+    seen: list[int] = []
+    real = h2o_module.eager_attention
+
+    def counted(query, *args):
+        if query.shape[-2] > 1:
+            seen.append(query.shape[-2])
+        return real(query, *args)
+
+    monkeypatch.setattr(h2o_module, "eager_attention", counted)
+    return seen
+
+
 @pytest.fixture(scope="session")
 def haystack_only_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data root with the NIAH haystack and nothing else: a run that needs more data (KVQuant's

@@ -23,6 +23,7 @@ from transformers import (
 
 from kvbench.builder import LoadedModel
 from kvbench.cache import use_kvbench_attention
+from kvbench.methods import build_method
 from kvbench.models import ModelShape
 from kvbench.models.shape import shape_of_config
 
@@ -139,6 +140,26 @@ def loaded(model: torch.nn.Module, shape: ModelShape) -> LoadedModel:
     """The builder's loaded model for an in-memory model (``LoadedModel.runner`` checks and prepares
     a method on it, as every run does)."""
     return LoadedModel(config=None, model=model, tokenizer=StubTokenizer(), shape=shape, load_s=0.0)
+
+
+def random_prompt(length: int, seed: int = 1) -> torch.Tensor:
+    """``[1, length]`` token ids drawn from the tiny models' vocabulary."""
+    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def prefilled(model: torch.nn.Module, shape: ModelShape, method_node: dict, ids: torch.Tensor):
+    """``(runner, cache, logits)`` after the method of ``method_node`` prefills ``ids`` on ``model``."""
+    runner = loaded(model, shape).runner(build_method(method_node))
+    cache = runner.new_cache()
+    return runner, cache, runner.prefill(ids, cache)
+
+
+@torch.no_grad()
+def plain_kv(model: torch.nn.Module, ids: torch.Tensor) -> DynamicCache:
+    """Plain transformers' cache after a forward of ``model`` over ``ids``."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, cache=cache, use_cache=True)
+    return cache
 
 
 def cache_bytes(cache: DynamicCache) -> tuple[int, int]:

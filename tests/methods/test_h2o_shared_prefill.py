@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kvbench.methods.h2o as h2o_module
 from kvbench.cache.eviction import shared_prefill
 from kvbench.methods import ModelShape, build_method
 
@@ -17,21 +16,6 @@ SHAPE = ModelShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
 
 def module(scaling=0.5):
     return SimpleNamespace(scaling=scaling, num_key_value_groups=2, is_causal=True, layer_idx=0)
-
-
-@pytest.fixture
-def prompts(monkeypatch):
-    """The query lengths of every eager attention H2O computes with more than one query."""
-    seen: list[int] = []
-    real = h2o_module.eager_attention
-
-    def counted(query, *args):
-        if query.shape[-2] > 1:
-            seen.append(query.shape[-2])
-        return real(query, *args)
-
-    monkeypatch.setattr(h2o_module, "eager_attention", counted)
-    return seen
 
 
 def prefill(q, k, v, budget, scaling=0.5, query_chunk=16, decode=2):
@@ -62,26 +46,26 @@ def tensors(seed=0, n=42):
     return torch.randn(1, 4, n, 8) * 2, torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
 
 
-def test_off_unless_a_block_is_open(prompts):
+def test_off_unless_a_block_is_open(h2o_prompt_queries):
     q, k, v = tensors()
     a, b = prefill(q, k, v, 6), prefill(q, k, v, 12)
-    assert prompts == [40, 40]
+    assert h2o_prompt_queries == [40, 40]
     assert not torch.equal(a[2], b[2])  # different budgets keep different tokens
 
 
-def test_shared_prompt_attention_is_the_same_bits_for_every_budget(prompts):
+def test_shared_prompt_attention_is_the_same_bits_for_every_budget(h2o_prompt_queries):
     q, k, v = tensors()
     alone = [prefill(q, k, v, b) for b in (6, 12, 30)]
-    prompts.clear()
+    h2o_prompt_queries.clear()
     with shared_prefill() as memo:
         shared = [prefill(q, k, v, b) for b in (6, 12, 30)]
-    assert prompts == [40] and (memo.computed, memo.reused) == (1, 2)
+    assert h2o_prompt_queries == [40] and (memo.computed, memo.reused) == (1, 2)
     for a, s in zip(alone, shared, strict=True):
         assert same(a, s)
 
 
 @pytest.mark.parametrize("change", ["written", "other_keys", "scaling", "query_chunk"])
-def test_anything_different_is_computed_again(prompts, change):
+def test_anything_different_is_computed_again(h2o_prompt_queries, change):
     q, k, v = tensors()
     with shared_prefill() as memo:
         prefill(q, k, v, 6)
@@ -95,13 +79,13 @@ def test_anything_different_is_computed_again(prompts, change):
         else:
             kwargs["query_chunk"] = 8
         second = prefill(q, k, v, 12, **kwargs)
-    assert prompts == [40, 40] and (memo.computed, memo.reused) == (2, 0)
+    assert h2o_prompt_queries == [40, 40] and (memo.computed, memo.reused) == (2, 0)
     assert same(second, prefill(q, k, v, 12, **kwargs))  # outside the block: the same result
 
 
-def test_another_prompt_length_is_computed_again(prompts):
+def test_another_prompt_length_is_computed_again(h2o_prompt_queries):
     q, k, v = tensors()
     with shared_prefill() as memo:
         prefill(q, k, v, 6)
         prefill(q, k, v, 6, decode=3)  # a shorter prompt: other views, other causal mask
-    assert prompts == [40, 39] and memo.reused == 0
+    assert h2o_prompt_queries == [40, 39] and memo.reused == 0

@@ -13,8 +13,7 @@ import copy
 
 import pytest
 import torch
-from tiny_archs import VOCAB, loaded, tiny_model
-from transformers import DynamicCache
+from tiny_archs import VOCAB, loaded, plain_kv, prefilled, random_prompt, tiny_model
 
 from kvbench.errors import ConfigError
 from kvbench.generate import PREFILL_LOGIT_ROWS
@@ -43,31 +42,13 @@ def node(pivot: str | None, base=KIVI, tokens=TOKENS) -> dict:
     return out
 
 
-def prompt(length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-def prefilled(model, shape, method_node, ids):
-    runner = loaded(model, shape).runner(build_method(method_node))
-    cache = runner.new_cache()
-    return runner, cache, runner.prefill(ids, cache)
-
-
-@torch.no_grad()
-def plain_kv(model, ids) -> DynamicCache:
-    """Plain transformers' cache after a forward of ``model`` over ``ids``."""
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids, cache=cache, use_cache=True)
-    return cache
-
-
 def block_weights(model) -> list[torch.Tensor]:
     return [m.weight.detach().clone() for m, _ in loaded_weights(model).kept]
 
 
 def test_pivot_kv_is_the_full_precision_models_and_the_rest_the_quantized_models(models):
     quantized, full, shape = models
-    ids = prompt(40)
+    ids = random_prompt(40)
     before = block_weights(quantized)
     _, fp_cache, fp_logits = prefilled(quantized, shape, node("full_precision"), ids)
     _, own_cache, own_logits = prefilled(quantized, shape, node("model"), ids)
@@ -102,7 +83,7 @@ def test_prefill_and_decode_are_the_papers_two_model_computation(models):
     plain transformers: the full-precision model over the pivot tokens, then the quantized model
     over the rest and each decoded token, on one cache."""
     quantized, full, shape = models
-    ids, steps = prompt(30, seed=2), 5
+    ids, steps = random_prompt(30, seed=2), 5
     runner, cache, logits = prefilled(quantized, shape, node("full_precision", base={"name": "fp16"}), ids)
     ours = [logits[0, -1]]
     reference = plain_kv(full, ids[:, :TOKENS])
@@ -121,7 +102,7 @@ def test_pivot_model_is_the_prefill_of_before(models):
     """``pivot=model``: the node without the key, the same run id, the shared prefill, and the same
     cache and logits as the method's base with sink tokens (IntactKV as it was)."""
     quantized, _, shape = models
-    ids = prompt(40, seed=3)
+    ids = random_prompt(40, seed=3)
     method = build_method(node("model"))
     assert method.config.pivot == "model" and build_method(node(None)).config.pivot == "model"
     assert method.prefill_is_fp16() and not method.drives_prefill()
@@ -142,20 +123,20 @@ def test_logit_rows_and_short_prompts(models):
     than the rest has; a prompt of ``tokens`` tokens or fewer keeps its last token for the quantized
     model, and a one-token prompt is one quantized forward."""
     quantized, full, shape = models
-    ids = prompt(10, seed=4)  # 6 tokens after the pivot, 10 rows asked (PREFILL_LOGIT_ROWS > 10)
+    ids = random_prompt(10, seed=4)  # 6 tokens after the pivot, 10 rows asked (PREFILL_LOGIT_ROWS > 10)
     _, _, logits = prefilled(quantized, shape, node("full_precision"), ids)
     _, _, own = prefilled(quantized, shape, node("model"), ids)
     assert logits.shape == own.shape == (1, 10, VOCAB)
     with torch.no_grad():
         pivot_rows = full(input_ids=ids[:, :TOKENS]).logits.float()
     torch.testing.assert_close(logits[:, :TOKENS], pivot_rows, rtol=1e-5, atol=1e-5)
-    short = prompt(3, seed=5)
+    short = random_prompt(3, seed=5)
     _, cache, _ = prefilled(quantized, shape, node("full_precision"), short)
     reference = plain_kv(full, short[:, :2])
     assert torch.equal(cache.layers[1].sink_k.data[:, :, :2], reference.layers[1].keys)
     whole = plain_kv(full, short).layers[1].keys  # the third token's KV: the quantized model's
     assert not torch.equal(cache.layers[1].sink_k.data[:, :, 2:], whole[:, :, 2:])
-    one = prompt(1, seed=6)
+    one = random_prompt(1, seed=6)
     _, _, a = prefilled(quantized, shape, node("full_precision"), one)
     _, _, b = prefilled(quantized, shape, node("model"), one)
     assert torch.equal(a, b)
@@ -165,11 +146,11 @@ def test_generation_runs_and_leaves_the_quantized_weights(models):
     quantized, _, shape = models
     before = block_weights(quantized)
     runner = loaded(quantized, shape).runner(build_method(node("full_precision")))
-    gen = runner.generate(prompt(20, seed=7), max_new_tokens=6)
+    gen = runner.generate(random_prompt(20, seed=7), max_new_tokens=6)
     assert len(gen.token_ids) == 6
     assert all(torch.equal(a, b) for a, b in zip(before, block_weights(quantized), strict=True))
     with pytest.raises(ValueError, match="prefill='batch'"):
-        runner.generate_batch([prompt(20), prompt(12)], 4, prefill="batch")
+        runner.generate_batch([random_prompt(20), random_prompt(12)], 4, prefill="batch")
 
 
 def test_swapped_in_restores_the_quantized_weights_on_error(models):

@@ -12,8 +12,7 @@ import copy
 
 import pytest
 import torch
-from tiny_archs import VOCAB, loaded, tiny_model
-from transformers import DynamicCache
+from tiny_archs import plain_kv, prefilled, random_prompt, tiny_model
 
 from kvbench.cache.fp import FullPrecisionTokens
 from kvbench.cache.layer import KVLayer
@@ -102,25 +101,14 @@ def node(pivot_bits=None, pivot="full_precision", base=UNIFORM) -> dict:
     return out
 
 
-def prompt(length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-def prefilled(model, shape, method_node, ids):
-    runner = loaded(model, shape).runner(build_method(method_node))
-    cache = runner.new_cache()
-    return runner, cache, runner.prefill(ids, cache)
-
-
 @torch.no_grad()
 def test_pivot_bits_stores_the_full_precision_models_pivot_kv_as_per_token_codes(models):
     quantized, full, shape = models
-    ids = prompt(24)
+    ids = random_prompt(24)
     runner, cache, logits = prefilled(quantized, shape, node(4), ids)
     assert runner.method.label() == "intactkv2fp-pivot4b-uniform-4b"
     _, fp_cache, fp_logits = prefilled(quantized, shape, node(None), ids)
-    reference = DynamicCache(config=full.config)
-    full(input_ids=ids[:, :TOKENS], cache=reference, use_cache=True)  # the model as loaded: W16A16
+    reference = plain_kv(full, ids[:, :TOKENS])  # the model as loaded: W16A16
     d = shape.head_dim
     for i in range(shape.num_layers):
         layer, fp_layer = cache.layers[i], fp_cache.layers[i]
@@ -159,7 +147,7 @@ def test_pivot_bits_null_is_the_run_of_before(models):
     assert run_id({**base, "method": node(None)}) == run_id({**base, "method": null})
     assert run_id({**base, "method": node(4)}) != run_id({**base, "method": node(None)})
     assert build_method(null).label() == build_method(node(None)).label() == "intactkv2fp-uniform-4b"
-    ids = prompt(20, seed=2)
+    ids = random_prompt(20, seed=2)
     _, a, la = prefilled(quantized, shape, node(None), ids)
     _, b, lb = prefilled(quantized, shape, null, ids)
     assert torch.equal(la, lb)
@@ -170,7 +158,7 @@ def test_pivot_bits_null_is_the_run_of_before(models):
 
 def test_pivot_bits_with_pivot_model_quantizes_the_models_own_pivot(models):
     quantized, _, shape = models
-    ids = prompt(20, seed=3)
+    ids = random_prompt(20, seed=3)
     _, cache, _ = prefilled(quantized, shape, node(4, pivot="model"), ids)
     _, own, _ = prefilled(quantized, shape, node(None, pivot="model"), ids)
     d = shape.head_dim

@@ -11,7 +11,6 @@ import pandas as pd
 import pytest
 import torch
 
-import kvbench.methods.h2o as h2o_module
 import kvbench.tasks.pg19_hitrate as task_module
 from kvbench.errors import ConfigError
 from kvbench.methods import ModelShape, build_method
@@ -106,27 +105,13 @@ def test_h2o_several_budgets_at_once_match_one_by_one():
     assert torch.equal(together, torch.cat([a, b]))
 
 
-def count_prompt_attention(monkeypatch) -> list[int]:
-    """The query lengths of H2O's eager attention calls with more than one query (prompt prefills)."""
-    seen: list[int] = []
-    real = h2o_module.eager_attention
-
-    def counted(query, *args):
-        if query.shape[-2] > 1:
-            seen.append(query.shape[-2])
-        return real(query, *args)
-
-    monkeypatch.setattr(h2o_module, "eager_attention", counted)
-    return seen
-
-
-def test_h2o_prompt_attention_once_per_layer_same_bits(monkeypatch):
+def test_h2o_prompt_attention_once_per_layer_same_bits(monkeypatch, h2o_prompt_queries):
     """The prompt's attention is computed once for every budget of a layer and gives the very bits of
     computing it per budget (several query chunks, k = 1 among the budgets)."""
     torch.manual_seed(4)
     q, k, v = torch.randn(6, 300, 8) * 2, torch.randn(2, 300, 8), torch.randn(2, 300, 8)
     args = (q, k, v, 0.5, [1, 3, 15, 60, 300], [1, 2, 8, 30, 150], 292)
-    prompts = count_prompt_attention(monkeypatch)
+    prompts = h2o_prompt_queries
     shared = h2o_hit_rates(*args)
     assert prompts == [292]
     prompts.clear()
@@ -331,14 +316,16 @@ def test_real_run_rows(fp16_runner, data_root):
 
 
 @pytest.mark.slow
-def test_real_run_row_shares_the_prompt_attention_bit_for_bit(fp16_runner, data_root, monkeypatch):
+def test_real_run_row_shares_the_prompt_attention_bit_for_bit(
+    fp16_runner, data_root, monkeypatch, h2o_prompt_queries
+):
     """The task's row with the prompt attention computed once per layer equals, to the last bit, the
     row with it computed once per budget."""
     task = hitrate(
         data_root, context_length=96, decode_positions=4, layers=[0, 29], sparsities=[0.01, 0.05, 0.5, 1.0],
         primary_sparsity=0.05, spec_residual=32,
     )  # fmt: skip
-    prompts = count_prompt_attention(monkeypatch)
+    prompts = h2o_prompt_queries
     shared = task.run(task.samples()[0], fp16_runner)
     assert prompts == [92, 92]  # once per layer (budgets 1, 5, 48, 96: three caches each)
     prompts.clear()
