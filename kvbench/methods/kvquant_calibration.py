@@ -26,10 +26,10 @@ from tqdm import tqdm
 from kvbench.cache.capture import OutputCapture
 from kvbench.data import RECORD_SUFFIXES, corpus_suffix, read_documents, read_text, resolve_corpus_path
 from kvbench.errors import ConfigError
+from kvbench.kernels.lloyd import kmeans_1d
 from kvbench.quant.nuq import (
     channel_thresholds,
     key_outliers,
-    kmeans_1d,
     masked_range,
     normalize,
     scale_zero,

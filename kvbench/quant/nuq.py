@@ -117,6 +117,13 @@ def nearest_code(
     return torch.bucketize(y.float().contiguous(), mid).to(torch.uint8)
 
 
+def kmeans_start(v: torch.Tensor, levels: int) -> torch.Tensor:
+    """Lloyd's starting signposts for the flat float32 ``v``: its ``(i + 1/2) / L`` quantiles (the
+    uniform grid past 2^24 values, where ``torch.quantile`` refuses)."""
+    probs = (torch.arange(levels, dtype=torch.float32) + 0.5) / levels
+    return torch.quantile(v, probs.to(v.device)) if v.numel() <= 2**24 else uniform_codebook(levels)
+
+
 def kmeans_1d(values: torch.Tensor, levels: int, iters: int = 100) -> torch.Tensor:
     """Sorted float32 ``[levels]`` signposts minimizing the squared error of ``values`` (Lloyd's
     algorithm from the ``(i + 1/2) / L`` quantiles; a cell left empty keeps its signpost). Stops at
@@ -124,8 +131,7 @@ def kmeans_1d(values: torch.Tensor, levels: int, iters: int = 100) -> torch.Tens
     v = values.flatten().float()
     if v.numel() == 0:
         return uniform_codebook(levels)
-    probs = (torch.arange(levels, dtype=torch.float32) + 0.5) / levels
-    c = torch.quantile(v, probs.to(v.device)) if v.numel() <= 2**24 else uniform_codebook(levels)
+    c = kmeans_start(v, levels)
     for _ in range(iters):
         c = torch.sort(c).values
         q = nearest_code(v, c).long()

@@ -1,8 +1,8 @@
 """The compiled CPU backend: C++/OpenMP kernels (``attention.cpp``) that read kvbench's stored
 formats in one call per stored part, built on first use and cached.
 
-The extension (``attention.cpp``, ``planes.cpp`` for ReadKV's bit planes and ``sparse.cpp`` for
-KVQuant's sparse outliers) is compiled with
+The extension (``attention.cpp``, ``planes.cpp`` for ReadKV's bit planes, ``sparse.cpp`` for
+KVQuant's sparse outliers and ``lloyd.cpp`` for its codebook fit) is compiled with
 ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed) into
 ``<cache_dir>/kernels/cpu-<hash>/``, where ``cache_dir`` is kvbench's cache root
 (``$KVBENCH_CACHE_DIR``, else ``~/.cache/kvbench``) and the hash covers the sources, the torch and
@@ -30,7 +30,9 @@ from kvbench import atomic
 from kvbench.env import get_logger
 from kvbench.paths import cache_dir
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "planes.cpp", "sparse.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("attention.cpp", "planes.cpp", "sparse.cpp", "lloyd.cpp")
+)
 
 _state: dict = {"module": None, "tried": False, "error": None, "used": set()}
 

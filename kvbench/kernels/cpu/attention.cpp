@@ -1824,6 +1824,7 @@ std::vector<at::Tensor> dense_sparse_quantize_pack(const at::Tensor& x, const at
 
 void register_plane_kernels(pybind11::module& m);  // planes.cpp
 void register_sparse_kernels(pybind11::module& m);  // sparse.cpp
+void register_lloyd_kernels(pybind11::module& m);   // lloyd.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp_scores", &fp_scores, "query [B,H,M,D] . full-precision keys [B,H,T,D] -> [B,H,M,T]");
@@ -1839,4 +1840,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "KVQuant's append: codebook codes of new tokens, packed, and their sparse outliers");
   register_plane_kernels(m);
   register_sparse_kernels(m);
+  register_lloyd_kernels(m);
 }
