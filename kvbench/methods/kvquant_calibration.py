@@ -172,10 +172,11 @@ def _post_rope(k: torch.Tensor, shape, layer_idx: int) -> torch.Tensor:
 
 class _Memo:
     """What this process calibrated, by its inputs, for one model at a time: the captured keys and
-    values by (model, calibration file and its modification time, token count, sink), and the
-    fitted calibrations by those plus everything of the config that :func:`calibrate` reads. The
-    arms of a KVQuant ablation that differ elsewhere (outlier layout, sink kept or not at decode,
-    backend) share both; arms with other bits or datatypes share the forward over the text. The
+    values by (model, calibration file and its modification time, token count), and the fitted
+    calibrations by those plus everything of the config that :func:`calibrate` reads. The arms of a
+    KVQuant ablation that differ elsewhere (outlier layout, backend) share both; arms with other
+    bits, datatypes or sinks share the forward over the text (the sink only decides which captured
+    tokens a fit leaves out). The
     results are the same tensors a fresh calibration computes (it is deterministic: seeded
     subsamples, k-means from fixed starts)."""
 
@@ -202,8 +203,16 @@ def calibrate(model, tokenizer, shape, data_root, c) -> list[LayerCalibration]:
     source = getattr(c, "calibration_data", "wikitext2")
     path = calibration_file(data_root, source)
     memo = _MEMO.for_model(model)
-    read = (str(path.resolve()), path.stat().st_mtime_ns, c.calibration_tokens, c.sink_tokens)
-    fit = (*read, c.pre_rope, c.levels(c.key_bits), c.levels(c.value_bits), c.outlier_fraction, c.datatype)
+    read = (str(path.resolve()), path.stat().st_mtime_ns, c.calibration_tokens)
+    fit = (
+        *read,
+        c.sink_tokens,
+        c.pre_rope,
+        c.levels(c.key_bits),
+        c.levels(c.value_bits),
+        c.outlier_fraction,
+        c.datatype,
+    )
     if fit not in memo.fitted:
         if read not in memo.captured:
             memo.captured[read] = _capture(model, tokenizer, shape, data_root, c)
@@ -223,8 +232,8 @@ def _capture(model, tokenizer, shape, data_root, c) -> dict[tuple[str, int], lis
     norms = _key_norms(model, shape.num_layers)
     has_norm = any(norm is not None for norm in norms)
     reduce = projection_outputs(shape)
+    # every window, whatever the sink: each is its own forward, and a fit drops those its sink fills
     windows = [ids[s : s + CALIBRATION_WINDOW] for s in range(0, len(ids), CALIBRATION_WINDOW)]
-    windows = [w for w in windows if len(w) > c.sink_tokens]
     bar = tqdm(
         windows,
         desc=f"kvquant calibration ({Path(source).name}, {len(ids)} tokens)",
@@ -258,6 +267,8 @@ def _fit(captured: dict[tuple[str, int], list[torch.Tensor]], shape, c) -> list[
     for i in range(shape.num_layers):
         keys, values = [], []
         for k, v in zip(captured[("k_proj", i)], captured[("v_proj", i)], strict=True):
+            if k.shape[2] <= skip:
+                continue  # a window no longer than the sink: nothing of it is quantized
             if not c.pre_rope:
                 k = _post_rope(k, shape, i)
             keys.append(k[:, :, skip:].transpose(1, 2).reshape(-1, shape.num_kv_heads, shape.head_dim))

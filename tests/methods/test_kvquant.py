@@ -469,21 +469,36 @@ def test_calibration_is_computed_once_per_inputs(tmp_path, monkeypatch):
     monkeypatch.setattr(kc, "_capture", lambda *a: captures.append(1) or real_capture(*a))
     monkeypatch.setattr(kc, "_fit", lambda *a: fits.append(1) or real_fit(*a))
 
-    def prepared(bits, layout="auto"):
-        node = {"name": "kvquant", "bits": bits, "calibration_tokens": 80, "outlier_layout": layout}
+    def prepared(bits, layout="auto", sink=True):
+        node = {
+            "name": "kvquant",
+            "bits": bits,
+            "calibration_tokens": 80,
+            "outlier_layout": layout,
+            "sink": sink,
+        }
         method = build_method(node)
         method.prepare(model, _ByteTokenizer(), shape, tmp_path)
         return method.calibration
+
+    def same(a, b):
+        return all(
+            torch.equal(x, y)
+            for p, q in zip(a, b, strict=True)
+            for x, y in zip(vars(p).values(), vars(q).values(), strict=True)
+        )
 
     first = prepared(2)
     assert prepared(2, layout="fixed") is first and (len(captures), len(fits)) == (1, 1)
     three = prepared(3)
     assert (len(captures), len(fits)) == (1, 2)
+    no_sink = prepared(2, sink=False)  # the same forward, a fit over every token
+    assert (len(captures), len(fits)) == (1, 3) and not same(no_sink, first)
     kc._MEMO.model = None  # a fresh process
     fresh = prepared(3)
-    assert (len(captures), len(fits)) == (2, 3)
-    for a, b in zip(three, fresh, strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(vars(a).values(), vars(b).values(), strict=True))
+    assert (len(captures), len(fits)) == (2, 4) and same(three, fresh)
+    kc._MEMO.model = None
+    assert same(prepared(2, sink=False), no_sink) and len(captures) == 3
 
 
 def test_calibrate_layer_excludes_outliers_from_the_codebook_values():
