@@ -80,8 +80,39 @@ def channel_thresholds(x: torch.Tensor, fraction: float) -> tuple[torch.Tensor, 
         return x.amin(0), x.amax(0)
     flat = x.reshape(x.shape[0], -1)
     q = torch.tensor([fraction / 2, 1 - fraction / 2], dtype=torch.float32, device=x.device)
-    lo, hi = torch.quantile(flat, q, dim=0)
+    lo, hi = tail_quantiles(flat, q)
     return lo.reshape(x.shape[1:]), hi.reshape(x.shape[1:])
+
+
+def tail_quantiles(flat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``torch.quantile(flat, q, dim=0)`` (linear interpolation), the same bits, for quantiles near
+    the ends of ``flat [N, C]``: the order statistics it interpolates between are read from the
+    ``k`` smallest and largest of each column (``torch.topk``) instead of a sort of all ``N``. The
+    ranks, weights and ``lerp`` are ``torch.quantile``'s, on tensors of its layout (``[C, Q]``), so
+    every element takes the path it takes there. Falls back to ``torch.quantile`` when a value is
+    not finite (it propagates NaN) or the quantiles reach the middle."""
+    n = flat.shape[0]
+    ranks = (q.float() * torch.tensor(float(n - 1), device=flat.device)).expand(flat.shape[1], -1)
+    below = ranks.long()
+    weights = ranks - below
+    above = ranks.ceil().long()
+    low = [int(r) for r in torch.cat([below[0], above[0]]).tolist() if r < n // 2]
+    high = [int(r) for r in torch.cat([below[0], above[0]]).tolist() if r >= n // 2]
+    k = max([r + 1 for r in low] + [n - r for r in high] + [1])
+    if n == 0 or 4 * k > n or not torch.isfinite(flat).all():
+        return torch.quantile(flat, q, dim=0)
+    smallest = flat.topk(k, dim=0, largest=False, sorted=True).values  # [k, C], rank r at row r
+    largest = flat.topk(k, dim=0, largest=True, sorted=True).values  # rank r at row n - 1 - r
+
+    def at(rank: torch.Tensor) -> torch.Tensor:  # [C, Q] values of the given ranks
+        cols = []
+        for r in rank[0].tolist():
+            cols.append(smallest[r] if r < n // 2 else largest[n - 1 - r])
+        return torch.stack(cols, dim=-1).contiguous()
+
+    values = at(below)
+    values.lerp_(at(above), weights.contiguous())
+    return values.t()
 
 
 def scale_zero(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype = torch.float16):

@@ -206,6 +206,27 @@ def test_channel_thresholds_are_the_tail_quantiles():
     assert (lo.item(), hi.item()) == (0.0, 100.0)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_tail_quantiles_are_torch_quantiles_bits(seed):
+    """The thresholds from the columns' tails are ``torch.quantile``'s bits: random sizes, ties,
+    the calibration's shape, quantiles at a rank and between two; and its fallbacks (a NaN, a
+    quantile in the middle) are ``torch.quantile`` itself."""
+    from kvbench.quant.nuq import tail_quantiles
+
+    g = torch.Generator().manual_seed(seed)
+    n, c = [(2044, 192), (101, 1), (37, 5), (5000, 3)][seed % 4]
+    x = torch.randn(n, c, generator=g) * (1 + seed)
+    if seed % 3 == 0:
+        x = (x * 2).round() / 2  # ties
+    f = [0.01, 0.02, 0.1][seed % 3]
+    q = torch.tensor([f / 2, 1 - f / 2])
+    assert torch.equal(tail_quantiles(x, q), torch.quantile(x, q, dim=0))
+    mid = torch.tensor([0.3, 0.7])
+    assert torch.equal(tail_quantiles(x, mid), torch.quantile(x, mid, dim=0))
+    x[0, 0] = float("nan")
+    assert torch.equal(tail_quantiles(x, q).isnan(), torch.quantile(x, q, dim=0).isnan())
+
+
 # -- nuq -------------------------------------------------------------------------------------------
 
 
