@@ -275,12 +275,14 @@ STRONG = sorted(p.stem for p in (Path(CONF_DIR) / "experiment" / "strong").glob(
 
 def test_strong_profile_runs_only_the_nodes_with_a_second_model_variant(workdir, capsys):
     assert STRONG == [
+        "attention_probe",
         "intactkv_ppl",
         "kivi_axis_ablation",
         "kivi_group_ablation",
         "kivi_gsm8k",
         "ott_vs_kivi",
         "specache_hitrate",
+        "specache_niah",
     ]
     assert reproduce.profile_nodes(reproduce.discover(), "strong", None) == STRONG
     assert reproduce.profile_nodes(["semkv_cliff"], "cpu", None) == ["semkv_cliff"]
