@@ -281,19 +281,25 @@ def test_strong_profile_runs_only_the_nodes_with_a_second_model_variant(workdir,
         "kivi_group_ablation",
         "kivi_gsm8k",
         "ott_vs_kivi",
+        "semkv_cliff",
+        "semkv_interpolation",
+        "semkv_prune_vs_lowprec",
+        "semkv_turboquant_cliff",
+        "specache_1bit_zero_point",
         "specache_hitrate",
+        "specache_k_ablation",
         "specache_niah",
     ]
     assert reproduce.profile_nodes(reproduce.discover(), "strong", None) == STRONG
-    assert reproduce.profile_nodes(["semkv_cliff"], "cpu", None) == ["semkv_cliff"]
+    assert reproduce.profile_nodes(["kvquant_ablation"], "cpu", None) == ["kvquant_ablation"]
     # a node named by --only stays, and fails with the file to add
-    assert reproduce.profile_nodes(["semkv_cliff"], "strong", ["semkv_cliff"]) == ["semkv_cliff"]
-    with pytest.raises(ValueError, match="add conf/experiment/strong/semkv_cliff.yaml"):
-        reproduce.config_name("semkv_cliff", "strong")
+    assert reproduce.profile_nodes(["kvquant_ablation"], "strong", ["kvquant_ablation"]) == ["kvquant_ablation"]
+    with pytest.raises(ValueError, match="add conf/experiment/strong/kvquant_ablation.yaml"):
+        reproduce.config_name("kvquant_ablation", "strong")
     assert reproduce.main(["--dry-run", "--profile", "strong", "--results", str(workdir / "results")]) == 0
     out = capsys.readouterr().out
     assert "+experiment=strong/kivi_gsm8k" in out and "+experiment=strong/kivi_group_ablation" in out
-    assert "semkv_cliff" not in out and "est_min" in out
+    assert "kvquant_ablation" not in out and "est_min" in out
 
 
 @pytest.mark.parametrize("node", STRONG)
