@@ -280,6 +280,7 @@ def test_strong_profile_runs_only_the_nodes_with_a_second_model_variant(workdir,
         "kivi_axis_ablation",
         "kivi_group_ablation",
         "kivi_gsm8k",
+        "kvquant_ablation",
         "ott_vs_kivi",
         "semkv_cliff",
         "semkv_interpolation",
@@ -291,15 +292,17 @@ def test_strong_profile_runs_only_the_nodes_with_a_second_model_variant(workdir,
         "specache_niah",
     ]
     assert reproduce.profile_nodes(reproduce.discover(), "strong", None) == STRONG
-    assert reproduce.profile_nodes(["kvquant_ablation"], "cpu", None) == ["kvquant_ablation"]
+    assert reproduce.profile_nodes(["readkv_read_budget"], "cpu", None) == ["readkv_read_budget"]
     # a node named by --only stays, and fails with the file to add
-    assert reproduce.profile_nodes(["kvquant_ablation"], "strong", ["kvquant_ablation"]) == ["kvquant_ablation"]
-    with pytest.raises(ValueError, match="add conf/experiment/strong/kvquant_ablation.yaml"):
-        reproduce.config_name("kvquant_ablation", "strong")
+    assert reproduce.profile_nodes(["readkv_read_budget"], "strong", ["readkv_read_budget"]) == [
+        "readkv_read_budget"
+    ]
+    with pytest.raises(ValueError, match="add conf/experiment/strong/readkv_read_budget.yaml"):
+        reproduce.config_name("readkv_read_budget", "strong")
     assert reproduce.main(["--dry-run", "--profile", "strong", "--results", str(workdir / "results")]) == 0
     out = capsys.readouterr().out
     assert "+experiment=strong/kivi_gsm8k" in out and "+experiment=strong/kivi_group_ablation" in out
-    assert "kvquant_ablation" not in out and "est_min" in out
+    assert "readkv_read_budget" not in out and "est_min" in out
 
 
 @pytest.mark.parametrize("node", STRONG)
