@@ -9,7 +9,7 @@ import torch
 
 from kvbench.kernels.cpu import cpu_kernels
 from kvbench.quant.nuq import kmeans_1d as kmeans_1d_reference
-from kvbench.quant.nuq import kmeans_start, uniform_codebook
+from kvbench.quant.nuq import kmeans_start
 
 
 def kmeans_1d(values: torch.Tensor, levels: int, iters: int = 100) -> torch.Tensor:
@@ -17,8 +17,12 @@ def kmeans_1d(values: torch.Tensor, levels: int, iters: int = 100) -> torch.Tens
     :func:`kvbench.quant.nuq.kmeans_1d` computes them."""
     kernels = cpu_kernels()
     v = values.flatten().float().contiguous()
-    if kernels is None or v.device.type != "cpu" or levels < 1 or not torch.isfinite(v).all():
+    if (
+        kernels is None
+        or v.device.type != "cpu"
+        or levels < 1
+        or v.numel() == 0
+        or not torch.isfinite(v).all()
+    ):
         return kmeans_1d_reference(values, levels, iters)
-    if v.numel() == 0:
-        return uniform_codebook(levels)
     return kernels.lloyd_1d(v, kmeans_start(v, levels).contiguous(), iters)

@@ -96,9 +96,8 @@ def tail_quantiles(flat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     below = ranks.long()
     weights = ranks - below
     above = ranks.ceil().long()
-    low = [int(r) for r in torch.cat([below[0], above[0]]).tolist() if r < n // 2]
-    high = [int(r) for r in torch.cat([below[0], above[0]]).tolist() if r >= n // 2]
-    k = max([r + 1 for r in low] + [n - r for r in high] + [1])
+    # rows kept from each end: enough for every rank read, from the end nearer to it
+    k = max([r + 1 if r < n // 2 else n - r for r in torch.cat([below[0], above[0]]).tolist()] + [1])
     if n == 0 or 4 * k > n or not torch.isfinite(flat).all():
         return torch.quantile(flat, q, dim=0)
     smallest = flat.topk(k, dim=0, largest=False, sorted=True).values  # [k, C], rank r at row r

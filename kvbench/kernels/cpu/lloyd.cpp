@@ -36,8 +36,8 @@ constexpr int64_t kLanes = 16;
 // Every lane but the value's own gets +0.0: a sum that starts at +0.0 is never -0.0 under
 // round-to-nearest, so adding +0.0 leaves it unchanged and each lane holds the serial sum of its
 // cell's values. ``mid`` holds kLanes - 1 midpoints, the unused ones +inf (never below a value).
-void lane_pass(const float* x, int64_t n, const float* mid, float* sums, int64_t* counts) {
 #if defined(__AVX2__)
+void lane_pass(const float* x, int64_t n, const float* mid, float* sums, int64_t* counts) {
   const __m256 mid_lo = _mm256_loadu_ps(mid);
   const __m256 mid_hi = _mm256_set_ps(INFINITY, mid[14], mid[13], mid[12], mid[11], mid[10], mid[9], mid[8]);
   const __m256i lane_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -55,20 +55,11 @@ void lane_pass(const float* x, int64_t n, const float* mid, float* sums, int64_t
   }
   _mm256_storeu_ps(sums, acc_lo);
   _mm256_storeu_ps(sums + 8, acc_hi);
-#else
-  float acc[kLanes] = {0.0f};
-  for (int64_t j = 0; j < n; ++j) {
-    const float y = x[j];
-    int cell = 0;
-    for (int64_t i = 0; i < kLanes - 1; ++i) cell += mid[i] < y;
-    ++counts[cell];
-    acc[cell] += y;
-  }
-  std::copy(acc, acc + kLanes, sums);
-#endif
 }
+#endif
 
-// The same pass for any number of signposts, one value at a time.
+// The same pass for any number of signposts, one value at a time (every pass of a build without
+// AVX2).
 void scalar_pass(const float* x, int64_t n, const std::vector<float>& mid, float* sums, int64_t* counts) {
   for (int64_t j = 0; j < n; ++j) {
     const int64_t cell = std::lower_bound(mid.begin(), mid.end(), x[j]) - mid.begin();
@@ -95,6 +86,7 @@ torch::Tensor lloyd_1d(torch::Tensor values, torch::Tensor start, int64_t iters)
     for (int64_t i = 0; i + 1 < levels; ++i) mid[i] = (c[i] + c[i + 1]) / 2.0f;
     std::fill(sums.begin(), sums.end(), 0.0f);
     std::fill(counts.begin(), counts.end(), 0);
+#if defined(__AVX2__)
     if (levels <= kLanes) {
       std::fill(lanes.begin(), lanes.end(), INFINITY);
       std::copy(mid.begin(), mid.end(), lanes.begin());
@@ -102,6 +94,9 @@ torch::Tensor lloyd_1d(torch::Tensor values, torch::Tensor start, int64_t iters)
     } else {
       scalar_pass(x, n, mid, sums.data(), counts.data());
     }
+#else
+    scalar_pass(x, n, mid, sums.data(), counts.data());
+#endif
     bool same = true;
     for (int64_t i = 0; i < levels; ++i) {
       // the reference divides by float32 counts; below 2^24 they are these integers exactly
